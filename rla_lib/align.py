@@ -1,0 +1,565 @@
+"""Rounding-location alignment (RLA) of Transformers' Qwen2/Qwen3 with a compiled inference engine.
+
+An engine such as vLLM compiles the model so that chains of pointwise ops run as one kernel that keeps
+its intermediates in FP32 and rounds to BF16 only at the kernel's output. Eager Transformers rounds to
+BF16 after every op. `align(model)` makes the training side round where the engine rounds, in three
+regions, without touching matmuls, attention kernels or the objective:
+
+- `"rope"`: Qwen3's per-head Q/K RMSNorm (weight multiply included) and the rotary products and their
+  sum stay in FP32, with cos/sin recomputed in FP32 (not the BF16-cast ones) from FP32 frequencies (if
+  `model.to(torch.bfloat16)` rounded the `inv_freq` buffer, FP32 values are put back while aligned).
+  Only the rotated Q and K are rounded, once each. On Qwen2 (no Q/K norm) the region is the rotary part
+  alone.
+- `"swiglu"`: SiLU(gate) stays in FP32 through the multiply with `up`; the product is rounded once
+  before `down_proj`.
+- `"residual_norm"`: `residual + sublayer output` is computed in FP32 and the RMSNorm that follows reads
+  this unrounded sum; the residual carried on is the sum rounded to BF16. This covers every
+  `post_attention_layernorm`, the next layer's `input_layernorm` and the final `model.norm`, so decoder
+  layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
+  norm outputs the model dtype for `lm_head`.
+
+Options (`AlignOptions`, passed as keyword arguments of `align`) pick the details where engines differ.
+The defaults are the paper's; an option of a region that is not enabled is accepted and has no effect.
+
+- `rope_cos_sin`: `"fp32"` (default) or `"bf16"`: cos/sin rounded to BF16 first (as vLLM's BF16
+  `cos_sin_cache`), then used in FP32 math.
+- `rope_qk_norm`: `"fp32"` (default) or `"stock"`: Q/K norm as in Transformers (rounding twice), only
+  the rotary part in FP32. Ignored on Qwen2.
+- `norm_weight`: `"stock"` (default): the residual-stream norms round the normalised value before the
+  weight multiply, as Transformers does; or `"fp32"`: the weight multiply is done in FP32 and the norm
+  output is rounded once (compiled vLLM on CPU). Applies to every residual-stream norm, layer 0's
+  `input_layernorm` included.
+- `residual_stream`: `"bf16"` (default): the carried residual is rounded at every add; or `"fp32"`: it
+  is never rounded and stays FP32 across all layers until the final norm (compiled vLLM on CPU).
+- `fused`: `False` (default) or `True`: run the rotary part of "rope" and the SwiGLU product as
+  `torch.compile`d kernels (one pass instead of one per op, as in the engine). Same bits as the eager
+  aligned version, forward and backward (the tests check it); the Q/K norm, the residual norms and
+  SiLU's backward stay eager because their compiled float op order differs. Needs what
+  `torch.compile` needs (a C++ compiler on CPU) and compiles on first use.
+
+"Rounding" is `.to(dtype)` (round to nearest even) to the model dtype, so an FP32 model is unchanged,
+bit for bit. Autocast is not supported: the rounding targets are read from weight and activation dtypes.
+
+The patch is per module instance (`module.forward` is shadowed, classes are untouched), so a stock and
+an aligned model can live in one process. It was written against the Qwen2/Qwen3 modeling code of
+transformers 5.19.0; `align` refuses to run if any function it replaces or relies on has changed.
+
+    handle = align(model)                  # all three regions, paper semantics
+    handle = align(model, ("rope",), rope_cos_sin="bf16")
+    handle.undo()                          # stock again, bit for bit
+    with aligned(model, ("swiglu",)):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import sys
+import types
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
+
+
+REGIONS = ("rope", "swiglu", "residual_norm")
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+_STATE_ATTR = "_rla_alignment"
+
+
+@dataclass(frozen=True)
+class AlignOptions:
+    """Details of the aligned regions where engines differ (see the module docstring)."""
+
+    rope_cos_sin: str = "fp32"
+    rope_qk_norm: str = "fp32"
+    norm_weight: str = "stock"
+    residual_stream: str = "bf16"
+    fused: bool = False
+
+    CHOICES = {
+        "rope_cos_sin": ("fp32", "bf16"),
+        "rope_qk_norm": ("fp32", "stock"),
+        "norm_weight": ("stock", "fp32"),
+        "residual_stream": ("bf16", "fp32"),
+        "fused": (False, True),
+    }
+
+    def __post_init__(self):
+        for name, allowed in self.CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed or type(value) is not type(allowed[0]):
+                raise ValueError(f"{name}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> AlignOptions:
+        unknown = sorted(set(kwargs) - set(cls.CHOICES))
+        if unknown:
+            raise ValueError(f"unknown alignment option(s) {unknown}; known options: {', '.join(cls.CHOICES)}.")
+        return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Guard: the aligned forwards below are rewrites of these stock functions (or rely on them, e.g. the
+# model loop carrying hidden states from layer to layer into the final norm). If Transformers changes
+# any of them, the rewrite could silently drop a fix or a feature, so we refuse instead.
+# --------------------------------------------------------------------------------------------------
+
+_WRITTEN_AGAINST = "transformers 5.19.0"
+_STOCK_SOURCE_SHA256 = {
+    "qwen2.Qwen2RMSNorm.forward": "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f",
+    "qwen2.Qwen2MLP.forward": "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b",
+    "qwen2.Qwen2Attention.forward": "3d7ae1485294d0c8d57827617a3abed805bcf0c4107ead3d1a47f67eee7dcb1b",
+    "qwen2.Qwen2DecoderLayer.forward": "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e",
+    "qwen2.Qwen2RotaryEmbedding.__init__": "89238533478af2fc6c042072ef208f1974df8d6a6c39f0c8bb4bd73ebc65897a",
+    "qwen2.Qwen2RotaryEmbedding.forward": "d5289777a85ea890f1c715511474f81f73c06b29d3d0792a37d8ad7347683445",
+    "qwen2.Qwen2Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
+    "qwen2.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
+    "qwen2.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
+    "qwen3.Qwen3RMSNorm.forward": "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f",
+    "qwen3.Qwen3MLP.forward": "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b",
+    "qwen3.Qwen3Attention.forward": "6c8fb032ff3742438fb80dab4427c11ef04e12fdc02f08abd11ff5adaa0fd1c3",
+    "qwen3.Qwen3DecoderLayer.forward": "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e",
+    "qwen3.Qwen3RotaryEmbedding.__init__": "5341c807741d21e1be23740fedb818381e775f52e9774f4ab7e76d3fda308eab",
+    "qwen3.Qwen3RotaryEmbedding.forward": "d5289777a85ea890f1c715511474f81f73c06b29d3d0792a37d8ad7347683445",
+    "qwen3.Qwen3Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
+    "qwen3.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
+    "qwen3.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
+}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """The stock classes of one supported architecture."""
+
+    name: str
+    modeling: types.ModuleType
+    model: type
+    decoder_layer: type
+    attention: type
+    mlp: type
+    rms_norm: type
+    rotary: type
+
+
+_FAMILIES = (
+    _Family("qwen2", modeling_qwen2, modeling_qwen2.Qwen2Model, modeling_qwen2.Qwen2DecoderLayer,
+            modeling_qwen2.Qwen2Attention, modeling_qwen2.Qwen2MLP, modeling_qwen2.Qwen2RMSNorm,
+            modeling_qwen2.Qwen2RotaryEmbedding),
+    _Family("qwen3", modeling_qwen3, modeling_qwen3.Qwen3Model, modeling_qwen3.Qwen3DecoderLayer,
+            modeling_qwen3.Qwen3Attention, modeling_qwen3.Qwen3MLP, modeling_qwen3.Qwen3RMSNorm,
+            modeling_qwen3.Qwen3RotaryEmbedding),
+)  # fmt: skip
+
+
+def _check_stock_source(family: _Family) -> None:
+    for key, expected in _STOCK_SOURCE_SHA256.items():
+        name, _, qualname = key.partition(".")
+        if name != family.name:
+            continue
+        obj = family.modeling
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if hashlib.sha256(inspect.getsource(obj).encode()).hexdigest() != expected:
+            raise RuntimeError(
+                f"{family.modeling.__name__}.{qualname} differs from the {_WRITTEN_AGAINST} code that "
+                "rla_lib.align was written against, so the aligned forwards may no longer match it. Install "
+                "transformers==5.19.0, or port the aligned forwards in rla_lib/align.py to the new code and "
+                "then update _STOCK_SOURCE_SHA256."
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# The aligned math. Each function keeps its region in FP32 and rounds once, at the region's output.
+# --------------------------------------------------------------------------------------------------
+
+
+def _rms_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in FP32, written as the stock RMSNorm so FP32 models stay bitwise unchanged."""
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return hidden_states * torch.rsqrt(variance + eps)
+
+
+def _qk_norm(norm: nn.Module, states: torch.Tensor, mode: str) -> torch.Tensor:
+    """Qwen3's per-head Q/K norm; in FP32 mode the result is not rounded (it feeds the rotary)."""
+    if mode == "stock":
+        return norm(states)
+    return norm.weight.float() * _rms_normalize(states, norm.variance_epsilon)
+
+
+def _residual_add(residual: torch.Tensor, update: torch.Tensor, stream: str) -> torch.Tensor:
+    """residual + sublayer output in FP32, left unrounded for the norm that reads it.
+
+    `residual` is the previous unrounded sum (or the embeddings); the engine carries it rounded
+    (`stream="bf16"`) or in FP32 (`stream="fp32"`).
+    """
+    if stream == "bf16":
+        residual = residual.to(update.dtype)
+    # (Explicit upcasts: mixed-dtype ops give the same bits but take a slow unvectorised path on CPU.)
+    return residual.float() + update.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary and SwiGLU math, run eagerly or, with fused=True, as torch.compile'd kernels. Only pieces whose
+# compiled code gives the eager bits are compiled (checked by the tests on the machine that runs them).
+# --------------------------------------------------------------------------------------------------
+
+
+def _rotary_fp32(apply_rotary_pos_emb, query, key, cos, sin, dtype):
+    """The stock rotary formula on FP32 operands, rounded once."""
+    query, key = apply_rotary_pos_emb(query.float(), key.float(), cos.float(), sin.float())
+    return query.to(dtype), key.to(dtype)
+
+
+def _swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up in FP32, rounded once (the fused kernel; the eager path calls the MLP's act_fn)."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _swiglu_fp32_grads(grad, gate, up):
+    """Eager autograd's backward of `_swiglu_fp32` up to SiLU's own backward: d_up (rounded), d_silu, gate."""
+    grad = grad.float()
+    gate = gate.float()
+    return (grad * F.silu(gate)).to(up.dtype), grad * up.float(), gate
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function, dynamic=True)
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """`_swiglu_fp32` with compiled kernels. Saves the BF16 inputs (not FP32 copies) and recomputes in backward;
+    SiLU's backward is ATen's, as in eager autograd, since its compiled form rounds differently."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _compiled(_swiglu_fp32)(gate, up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_up, grad_silu, gate_fp32 = _compiled(_swiglu_fp32_grads)(grad, gate, up)
+        return torch.ops.aten.silu_backward(grad_silu, gate_fp32).to(gate.dtype), grad_up
+
+
+# --------------------------------------------------------------------------------------------------
+# Aligned forwards, bound to single module instances. Outside their region they are line for line the
+# stock forwards of transformers 5.19.0 (Qwen2 and Qwen3 differ only in the Q/K norm).
+# --------------------------------------------------------------------------------------------------
+
+
+def _rotary_forward(self, x, position_ids, *, options, **kwargs):
+    """Stock cos/sin, left in FP32: the stock forward casts them to `x.dtype` and reads nothing else of `x`."""
+    fp32_probe = x.new_empty(0, dtype=torch.float32)
+    return type(self).forward(self, fp32_probe, position_ids, **kwargs)
+
+
+def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module) -> None:
+    """Recompute the rotary frequencies in FP32 if `model.to(torch.bfloat16)` rounded them (the engine's are
+    FP32; `from_pretrained(dtype=...)` keeps them FP32, so this is then a no-op). Undo restores them."""
+    if rotary.inv_freq.dtype == torch.float32:
+        return
+    if rotary.rope_type == "default":  # as in RotaryEmbedding.__init__
+        init_fn = rotary.compute_default_rope_parameters
+    else:
+        init_fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    inv_freq, _ = init_fn(rotary.config)
+    inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
+    handle._replace_buffer(rotary, "inv_freq", inv_freq)
+    handle._replace_buffer(rotary, "original_inv_freq", inv_freq.clone())
+
+
+def _attention_forward(
+    self, hidden_states, position_embeddings, attention_mask, past_key_values=None, *, options, **kwargs
+):
+    modeling = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape)
+    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3
+        query_states = _qk_norm(self.q_norm, query_states, options.rope_qk_norm)
+        key_states = _qk_norm(self.k_norm, key_states, options.rope_qk_norm)
+    query_states = query_states.transpose(1, 2)
+    key_states = key_states.transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    # Rotary in FP32 (cos/sin are FP32 already unless rope_cos_sin="bf16"), one rounding of Q and K.
+    cos, sin = position_embeddings
+    rotary = _compiled(_rotary_fp32) if options.fused else _rotary_fp32
+    query_states, key_states = rotary(
+        modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype
+    )
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, modeling.eager_attention_forward
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+def _mlp_forward(self, x, *, options):
+    gate = self.gate_proj(x)
+    up = self.up_proj(x)
+    if options.fused:
+        return self.down_proj(_FusedSwiGLU.apply(gate, up))
+    # act(gate) * up in FP32, rounded once before down_proj.
+    return self.down_proj((self.act_fn(gate.float()) * up.float()).to(gate.dtype))
+
+
+def _residual_norm_forward(self, hidden_states, *, options):
+    """RMSNorm of the (possibly FP32, unrounded) residual sum, output in the weight dtype."""
+    dtype = self.weight.dtype
+    hidden_states = _rms_normalize(hidden_states, self.variance_epsilon)
+    if options.norm_weight == "fp32":
+        return (self.weight.float() * hidden_states).to(dtype)
+    return self.weight * hidden_states.to(dtype)
+
+
+def _decoder_layer_forward(
+    self,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    use_cache=False,
+    position_embeddings=None,
+    *,
+    options,
+    **kwargs,
+):
+    # `hidden_states` is the previous layer's unrounded FP32 sum (the embeddings for layer 0).
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    # Self Attention
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = _residual_add(residual, hidden_states, options.residual_stream)
+
+    # Fully Connected
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    return _residual_add(residual, hidden_states, options.residual_stream)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+class Alignment:
+    """Handle returned by `align`: which regions and options are on, and `undo()` to restore stock."""
+
+    def __init__(self, base_model: nn.Module, regions: tuple[str, ...], options: AlignOptions):
+        self.regions = regions
+        self.options = options
+        self._base_model = base_model
+        self._patched: list[nn.Module] = []
+        self._replaced_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    @property
+    def active(self) -> bool:
+        return getattr(self._base_model, _STATE_ATTR, None) is self
+
+    def undo(self) -> None:
+        """Restore stock. A handle replaced by a later `align` is already undone: then a no-op."""
+        if self.active:
+            self._restore()
+            delattr(self._base_model, _STATE_ATTR)
+
+    def _patch(self, module: nn.Module, forward) -> None:
+        if "forward" in module.__dict__:
+            raise RuntimeError(
+                f"{type(module).__name__} instance already has a patched forward from elsewhere; "
+                "rla_lib.align only patches stock modules."
+            )
+        module.forward = types.MethodType(functools.partial(forward, options=self.options), module)
+        self._patched.append(module)
+
+    def _replace_buffer(self, module: nn.Module, name: str, value: torch.Tensor) -> None:
+        self._replaced_buffers.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def _restore(self) -> None:
+        for module in self._patched:
+            del module.forward
+        for module, name, value in reversed(self._replaced_buffers):
+            setattr(module, name, value)
+        self._patched.clear()
+        self._replaced_buffers.clear()
+
+    def __repr__(self) -> str:
+        return f"Alignment(regions={self.regions}, options={self.options}, active={self.active})"
+
+
+def _family_and_base(model: nn.Module) -> tuple[_Family, nn.Module]:
+    for family in _FAMILIES:
+        for candidate in (model, getattr(model, "model", None)):
+            if type(candidate) is family.model:
+                return family, candidate
+    raise TypeError(
+        f"rla_lib.align supports Qwen2/Qwen3 *ForCausalLM and *Model only, got {type(model).__name__}."
+    )
+
+
+def _check_dtype(model: nn.Module) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    unsupported = dtypes - set(_SUPPORTED_DTYPES)
+    if unsupported:
+        raise TypeError(
+            "rla_lib.align supports bfloat16 and float32 models only, "
+            f"got parameters in {sorted(map(str, unsupported))}."
+        )
+
+
+def _normalize_regions(regions: Iterable[str] | str) -> tuple[str, ...]:
+    regions = (regions,) if isinstance(regions, str) else tuple(regions)
+    unknown = [r for r in regions if r not in REGIONS]
+    if unknown:
+        raise ValueError(f"unknown region(s) {unknown}; known regions: {', '.join(REGIONS)}.")
+    return tuple(r for r in REGIONS if r in regions)
+
+
+def _check_modules(family: _Family, base: nn.Module) -> None:
+    """Subclasses could override what we replace, so only the exact stock classes are accepted."""
+    expected = [("norm", base.norm, family.rms_norm), ("rotary_emb", base.rotary_emb, family.rotary)]
+    for i, layer in enumerate(base.layers):
+        expected += [
+            (f"layers.{i}", layer, family.decoder_layer),
+            (f"layers.{i}.self_attn", layer.self_attn, family.attention),
+            (f"layers.{i}.mlp", layer.mlp, family.mlp),
+            (f"layers.{i}.input_layernorm", layer.input_layernorm, family.rms_norm),
+            (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm, family.rms_norm),
+        ]
+    for path, module, cls in expected:
+        if type(module) is not cls:
+            raise TypeError(f"{path} is a {type(module).__name__}, expected the stock {cls.__name__}.")
+
+
+def align(
+    model: nn.Module,
+    regions: Iterable[str] | str = REGIONS,
+    *,
+    options: AlignOptions | None = None,
+    **option_kwargs,
+) -> Alignment:
+    """Round `model` (a Qwen2/Qwen3 *ForCausalLM or *Model) where the engine rounds, in place.
+
+    `regions` is a subset of `REGIONS`; options come as keyword arguments (or one `AlignOptions`).
+    Replaces any previous alignment of the model (if this raises, the model is left stock).
+    Returns a handle; `handle.undo()` restores stock.
+    """
+    family, base = _family_and_base(model)
+    _check_dtype(base)
+    _check_stock_source(family)
+    _check_modules(family, base)
+    regions = _normalize_regions(regions)
+    if options is not None and option_kwargs:
+        raise ValueError("pass either options=AlignOptions(...) or option keyword arguments, not both.")
+    options = options if options is not None else AlignOptions.from_kwargs(**option_kwargs)
+
+    if options.fused and "swiglu" in regions and base.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"fused=True implements SwiGLU with SiLU, but hidden_act is {base.config.hidden_act!r}.")
+
+    unalign(base)
+    handle = Alignment(base, regions, options)
+    try:
+        if "rope" in regions:
+            _use_fp32_rope_frequencies(handle, base.rotary_emb)
+            if options.rope_cos_sin == "fp32":
+                handle._patch(base.rotary_emb, _rotary_forward)
+            for layer in base.layers:
+                handle._patch(layer.self_attn, _attention_forward)
+        if "swiglu" in regions:
+            for layer in base.layers:
+                handle._patch(layer.mlp, _mlp_forward)
+        if "residual_norm" in regions:
+            for layer in base.layers:
+                handle._patch(layer, _decoder_layer_forward)
+                handle._patch(layer.input_layernorm, _residual_norm_forward)
+                handle._patch(layer.post_attention_layernorm, _residual_norm_forward)
+            handle._patch(base.norm, _residual_norm_forward)
+    except BaseException:
+        handle._restore()
+        raise
+    setattr(base, _STATE_ATTR, handle)
+    return handle
+
+
+def unalign(model: nn.Module) -> None:
+    """Restore the stock forwards of `model`, whatever its current alignment (no-op if none)."""
+    _, base = _family_and_base(model)
+    handle = getattr(base, _STATE_ATTR, None)
+    if handle is not None:
+        handle.undo()
+
+
+def current(model: nn.Module) -> tuple[tuple[str, ...], AlignOptions] | None:
+    """The model's current (regions, options), or None if it runs stock."""
+    _, base = _family_and_base(model)
+    handle = getattr(base, _STATE_ATTR, None)
+    return None if handle is None else (handle.regions, handle.options)
+
+
+@contextlib.contextmanager
+def aligned(
+    model: nn.Module,
+    regions: Iterable[str] | str = REGIONS,
+    *,
+    options: AlignOptions | None = None,
+    **option_kwargs,
+) -> Iterator[Alignment]:
+    """`align` for the duration of a `with` block; the previous state comes back even on exception."""
+    previous = current(model)
+    handle = align(model, regions, options=options, **option_kwargs)
+    try:
+        yield handle
+    finally:
+        if previous is None:
+            unalign(model)
+        else:
+            align(model, previous[0], options=previous[1])
+
+
+__all__ = ["REGIONS", "AlignOptions", "Alignment", "align", "aligned", "current", "unalign"]

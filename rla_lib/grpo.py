@@ -1,0 +1,274 @@
+"""Clipped GRPO with real vLLM rollouts, readable top to bottom (cleanrl style).
+
+One step:
+  1. rollout   the engine (vLLM, compiled by default) samples `group_size` responses per prompt;
+               the task's checker gives each a 0/1 reward
+  2. score     the training side (Transformers, BF16 compute, optionally aligned) recomputes the
+               "old" logprobs of the sampled tokens; the mismatch monitor compares them with the
+               engine's own logprobs
+  3. update    group-normalised advantages, clipped surrogate (clip 0.2, no KL penalty, no mismatch
+               correction unless `tis_cap` is set), AdamW on FP32 master weights
+  4. sync      the new weights are loaded into the running engine (no restart), prefix cache reset
+
+Mixed precision as trainers do it: FP32 master weights and optimizer state; a BF16 copy computes the
+forward and backward; its gradients are accumulated into the FP32 master. The zero-mismatch control
+(`precision="fp32"`) runs both sides in FP32.
+
+Results go to `out_dir`: `history.csv` (one row per step), `checkpoint.pt` every `checkpoint_every`
+steps (weights, optimizer, step); a run started again with the same `out_dir` resumes from it and
+gives the same results as an uninterrupted run. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import task
+from .align import align
+from .kl import MismatchMonitor
+from .models import load_model
+from .scoring import pad_batch
+
+
+@dataclass
+class GRPOConfig:
+    model: str = "qwen3-tiny"
+    regions: tuple[str, ...] = ()  # training-side alignment; () is the default BF16 stack
+    align_options: dict = field(default_factory=dict)
+    precision: str = "bf16"  # "bf16", or "fp32": the zero-mismatch control (both sides FP32)
+    engine_mode: str = "compiled"
+    steps: int = 50
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 32
+    temperature: float = 1.0
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    clip: float = 0.2
+    minibatches: int = 2  # updates per rollout batch; >1 makes the clip matter
+    max_grad_norm: float = 1.0
+    tis_cap: float | None = None  # truncated importance sampling weight cap (e.g. 2.0); None = no correction
+    eval_every: int = 10
+    eval_prompts: int = 128
+    checkpoint_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision must be 'bf16' or 'fp32' (the zero-mismatch control), got {self.precision!r}")
+        if self.precision == "fp32" and self.regions:
+            raise ValueError("alignment changes nothing in FP32: use regions=() with precision='fp32'")
+        self.regions = tuple(self.regions)
+
+    @property
+    def dtype(self):
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
+# ---- the objective ---------------------------------------------------------------------------
+def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
+    """(r - mean of its group) / (std of its group + eps); groups are consecutive blocks."""
+    r = rewards.reshape(-1, group_size)
+    return ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + eps)).reshape(-1)
+
+
+def clipped_loss(new_lp, old_lp, advantages, mask, clip: float, tis_weight=None):
+    """Token-mean of the clipped surrogate -min(ratio * A, clip(ratio) * A), over tokens where mask=1.
+
+    Returns (loss, clip fraction). `tis_weight`, if given, multiplies each token's term
+    (truncated importance sampling towards the inference policy; no gradient through it).
+    """
+    ratio = torch.exp(new_lp - old_lp)
+    adv = advantages[:, None].expand_as(new_lp)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    if tis_weight is not None:
+        surrogate = surrogate * tis_weight
+    n = mask.sum().clamp(min=1)
+    loss = -(surrogate * mask).sum() / n
+    clipped = ((ratio - 1).abs() > clip).float()
+    return loss, ((clipped * mask).sum() / n).item()
+
+
+# ---- the two sides -------------------------------------------------------------------------
+class Policy:
+    """FP32 master weights + AdamW; a compute copy in the run's precision (aligned if asked)."""
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.master = load_model(cfg.model, dtype="float32")
+        self.master.train()
+        self.compute = load_model(cfg.model, dtype=cfg.dtype) if cfg.precision == "bf16" else self.master
+        self.compute.train()
+        if cfg.regions:
+            align(self.compute, cfg.regions, **cfg.align_options)
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+
+    def refresh_compute(self):
+        if self.compute is not self.master:
+            with torch.no_grad():
+                for c, m in zip(self.compute.parameters(), self.master.parameters()):
+                    c.copy_(m)  # round the FP32 master to BF16
+
+    def logprobs(self, ids, mask, grad: bool):
+        """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position."""
+        with torch.set_grad_enabled(grad):
+            logits = self.compute(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1)
+            lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+            entropy = -(logp.exp() * logp).sum(-1).detach()
+        return lp, entropy
+
+    def step(self, loss) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        if self.compute is not self.master:
+            self.compute.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.compute is not self.master:
+            for c, m in zip(self.compute.parameters(), self.master.parameters()):
+                m.grad = c.grad.float() if c.grad is not None else None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.max_grad_norm).item()
+        self.opt.step()
+        self.refresh_compute()
+        return grad_norm
+
+
+# ---- the loop ------------------------------------------------------------------------------
+def training_prompts(step: int, n: int, seed: int, exclude: set[str]) -> list[task.Problem]:
+    """Prompts for one step, a pure function of (seed, step) so a resumed run sees the same ones."""
+    rng = random.Random(f"{seed}-{step}")
+    out = []
+    while len(out) < n:
+        p = task.sample_problem(rng)
+        if p.prompt not in exclude:
+            out.append(p)
+    return out
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) -> None:
+    state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict(), history=history)
+    _atomic_write(path, lambda p: torch.save(state, p))
+
+
+def evaluate(engine, problems, seed: int, max_tokens: int) -> float:
+    groups = engine.sample([p.prompt for p in problems], n=1, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    return float(np.mean([task.reward(p, g[0].text) for p, g in zip(problems, groups)]))
+
+
+def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> pd.DataFrame:
+    """Train, log, checkpoint; resume from `out_dir/checkpoint.pt` if it exists. Returns the history.
+
+    Pass an open `Engine` (in the run's precision) to reuse it across runs: its weights are reset
+    to the run's starting weights first.
+    """
+    from tqdm.auto import tqdm
+
+    from .engine import Engine
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "config.json"
+    settings = dataclasses.asdict(cfg) | {"regions": list(cfg.regions)}
+    if config_path.exists():  # resuming (or extending with more steps) needs the same settings otherwise
+        saved = json.loads(config_path.read_text())
+        changed = sorted(k for k in settings if k != "steps" and saved.get(k) != settings[k])
+        if changed:
+            raise ValueError(f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
+                             "use another out_dir, or delete it to start over")
+    _atomic_write(config_path, lambda p: p.write_text(json.dumps(settings, indent=1, sort_keys=True)))
+
+    torch.manual_seed(cfg.seed)
+    policy = Policy(cfg)
+    history, start = [], 1
+    ckpt = out_dir / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        policy.master.load_state_dict(state["master"])
+        policy.opt.load_state_dict(state["opt"])
+        policy.refresh_compute()
+        history, start = state["history"], state["step"] + 1
+    own_engine = engine is None
+    if own_engine:
+        engine = Engine(cfg.model, mode=cfg.engine_mode, dtype="float32" if cfg.precision == "fp32" else "bfloat16", seed=cfg.seed)
+    engine.load_weights(policy.master)
+
+    eval_split = task.load_split()[: cfg.eval_prompts]
+    exclude = {p.prompt for p in task.load_split()}
+    monitor = MismatchMonitor()
+    for row in history:
+        monitor.rows.append({k: row[k] for k in ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")})
+    try:
+        for step in tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not progress, desc=out_dir.name):
+            history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_checkpoint(ckpt, policy, step, history)
+                _atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
+    finally:
+        if own_engine:
+            engine.close()
+    return pd.DataFrame(history)
+
+
+def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+    t0 = time.perf_counter()
+    problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
+    groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
+                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009)
+    samples = [s for g in groups for s in g]
+    rewards = np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
+    t_rollout = time.perf_counter()
+
+    # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
+    ids, attn = pad_batch([s.ids for s in samples])
+    resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    inf_lp = torch.zeros_like(resp)
+    for i, s in enumerate(samples):
+        a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
+        resp[i, a:b] = 1
+        inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
+    with torch.no_grad():
+        old_lp, entropy = policy.logprobs(ids, attn, grad=False)
+    lengths = resp.sum(1).long()
+    monitor.update(step, [s.logprobs for s in samples],
+                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+    t_score = time.perf_counter()
+
+    adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
+    tis = torch.clamp(torch.exp(old_lp - inf_lp), max=cfg.tis_cap) if cfg.tis_cap else None
+    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(len(samples))
+    grad_norms, clip_fracs = [], []
+    for mb in np.array_split(order, cfg.minibatches):
+        mb = torch.from_numpy(mb)
+        new_lp, _ = policy.logprobs(ids[mb], attn[mb], grad=True)
+        loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, None if tis is None else tis[mb])
+        grad_norms.append(policy.step(loss))
+        clip_fracs.append(clip_frac)
+    t_update = time.perf_counter()
+    engine.load_weights(policy.master)
+    t_sync = time.perf_counter()
+
+    m = monitor.rows[-1]
+    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
+               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
+               entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
+               clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
+               t_rollout=t_rollout - t0, t_score=t_score - t_rollout, t_update=t_update - t_score, t_sync=t_sync - t_update,
+               eval_accuracy=np.nan)
+    if step % cfg.eval_every == 0:
+        row["eval_accuracy"] = evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)
+    return row

@@ -1,0 +1,106 @@
+"""Finding a model (embedded name, local path or hub name) and loading the training side.
+
+Every notebook's `model` parameter goes through `resolve_model`, so the embedded default,
+a local checkpoint directory and a hub name (where the hub is reachable) work unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .paths import MODELS_DIR
+
+EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny"}
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: Path
+    architecture: str
+    vocab_size: int
+    eos_token_id: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def family(self) -> str:
+        return "qwen3" if self.architecture == "Qwen3ForCausalLM" else "qwen2"
+
+
+def _local_dir(model: str | Path) -> Path:
+    model = str(model)
+    if model in EMBEDDED_MODELS:
+        path = EMBEDDED_MODELS[model]
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"the embedded model {model!r} is missing at {path}; rebuild it with `make models`.")
+        return path
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: point `model` at a Hugging Face checkpoint directory.")
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(
+            f"model {model!r} is not an embedded model ({', '.join(EMBEDDED_MODELS)}), not a checkpoint "
+            "directory, and not a hub name of the form 'org/name'."
+        )
+    try:  # a hub name: works only where the hub is reachable (or the files are already cached)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"could not fetch {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). Without hub access, "
+            "download the checkpoint elsewhere and pass its local directory as `model`."
+        ) from e
+
+
+def resolve_model(model: str | Path) -> ModelSpec:
+    """Find the checkpoint and check it is an architecture this project patches."""
+    path = _local_dir(model)
+    config = json.loads((path / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{model!r} is a {arch}; rla supports {' and '.join(SUPPORTED_ARCHITECTURES)} (the models whose "
+            "rounding locations it aligns). Other architectures need their own graph comparison first."
+        )
+    text = config.get("text_config", config)
+    eos = text.get("eos_token_id")
+    return ModelSpec(
+        name=str(model),
+        path=path,
+        architecture=arch,
+        vocab_size=int(text["vocab_size"]),
+        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+    )
+
+
+def torch_dtype(dtype):
+    import torch
+
+    from .engine import normalize_dtype
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[normalize_dtype(dtype)]
+
+
+def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu"):
+    """The training side: the stock Transformers model (eager PyTorch, no compilation)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = resolve_model(model)
+    m = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(dtype)).to(device)
+    m.eval()
+    return m
+
+
+def load_tokenizer(model: str | Path = "qwen3-tiny"):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model).path)

@@ -1,0 +1,58 @@
+"""The training side's per-token logprobs, as an RL trainer recomputes them.
+
+The decoder runs once over the batch; the LM head and log-softmax then run over chunks of
+positions, so peak memory is bounded by `chunk_size x vocab` rather than `tokens x vocab`
+(151,936 columns for a real Qwen). Logits come out of the model in its dtype (BF16) and the
+log-softmax is taken in FP32, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pad_batch(sequences, pad_id: int = 0):
+    """Right-pad token-id lists: positions then start at 0 in every row, as in vLLM."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.as_tensor(s)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def hidden_states(model, ids, mask):
+    return model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False):
+    """Logprob of each token given its prefix, for each sequence (entry t scores ids[t+1]).
+
+    Returns a list of float32 numpy arrays (or a list of (logprobs, full) pairs with
+    full_vocab=True). With grad=True returns torch tensors that keep the graph.
+    """
+    device = next(model.parameters()).device
+    out = []
+    for b in range(0, len(sequences), batch_size):
+        batch = [list(s) for s in sequences[b : b + batch_size]]
+        ids, mask = pad_batch(batch)
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.set_grad_enabled(grad):
+            h = hidden_states(model, ids, mask)[:, :-1]  # position t predicts token t+1
+            targets = ids[:, 1:]
+            flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+            lp_chunks, full_chunks = [], []
+            for s in range(0, flat_h.shape[0], chunk_size):
+                logp = torch.log_softmax(model.lm_head(flat_h[s : s + chunk_size]).float(), dim=-1)
+                lp_chunks.append(logp.gather(-1, flat_t[s : s + chunk_size, None])[:, 0])
+                if full_vocab:
+                    full_chunks.append(logp.detach())
+            lp = torch.cat(lp_chunks).view(targets.shape)
+            full = torch.cat(full_chunks).view(*targets.shape, -1) if full_vocab else None
+        for i, s in enumerate(batch):
+            n = len(s) - 1
+            row = lp[i, :n] if grad else lp[i, :n].detach().cpu().numpy()
+            out.append((row, full[i, :n].cpu().numpy()) if full_vocab else row)
+    return out

@@ -1,0 +1,94 @@
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from rla_lib import grpo
+from rla_lib.models import load_model
+
+
+def test_group_advantages_hand_case():
+    adv = grpo.group_advantages(np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
+    np.testing.assert_allclose(adv[:4], np.array([3.0, -1.0, -1.0, -1.0]) / np.sqrt(3), rtol=1e-5)
+    np.testing.assert_array_equal(adv[4:], 0.0)  # a group where every answer is alike teaches nothing
+
+
+def test_clipped_loss_hand_case_both_sides():
+    old = torch.zeros(2, 3)
+    # ratios: token 0 inside the clip range, token 1 above 1+eps, token 2 below 1-eps
+    new = torch.log(torch.tensor([[1.1, 1.5, 0.5], [1.1, 1.5, 0.5]]))
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    loss, clip_frac = grpo.clipped_loss(new, old, adv, mask, clip=0.2)
+    # A=+1: min(r, clip(r)) = 1.1, 1.2, 0.5 ; A=-1: min(-r, -clip(r)) = -1.1, -1.5 (masked: third)
+    expected = -(1.1 + 1.2 + 0.5 - 1.1 - 1.5) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert clip_frac == pytest.approx(3 / 5)
+    # truncated importance weights multiply each token's term
+    w = torch.full((2, 3), 0.5)
+    loss_w, _ = grpo.clipped_loss(new, old, adv, mask, clip=0.2, tis_weight=w)
+    assert loss_w.item() == pytest.approx(expected * 0.5, rel=1e-6)
+
+
+def test_clipped_loss_gradient_vanishes_where_clipped():
+    new = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = grpo.clipped_loss(new, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), clip=0.2)
+    loss.backward()
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="precision"):
+        grpo.GRPOConfig(precision="fp16")
+    with pytest.raises(ValueError, match="FP32"):
+        grpo.GRPOConfig(precision="fp32", regions=("rope",))
+
+
+def test_prompts_are_a_function_of_seed_and_step():
+    a = grpo.training_prompts(3, 5, seed=0, exclude=set())
+    assert a == grpo.training_prompts(3, 5, seed=0, exclude=set()) and a != grpo.training_prompts(4, 5, seed=0, exclude=set())
+    assert not {p.prompt for p in grpo.training_prompts(3, 50, 0, {a[0].prompt})} & {a[0].prompt}
+
+
+TINY = dict(steps=4, prompts_per_step=4, group_size=4, max_tokens=24, eval_every=2, eval_prompts=8, checkpoint_every=2, lr=1e-4)
+TIMING = ["t_rollout", "t_score", "t_update", "t_sync"]
+
+
+@pytest.mark.engine
+def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
+    try:
+        cfg = grpo.GRPOConfig(regions=("rope",), **TINY)
+        full = grpo.run(cfg, tmp_path / "full", engine=compiled_engine, progress=False)
+        grpo.run(grpo.GRPOConfig(regions=("rope",), **(TINY | dict(steps=2))), tmp_path / "resumed", engine=compiled_engine, progress=False)
+        resumed = grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
+        pd.testing.assert_frame_equal(full.drop(columns=TIMING), resumed.drop(columns=TIMING))
+        assert len(full) == 4 and full["eval_accuracy"].notna().sum() == 2
+        a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["master"]
+        b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["master"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], load_model("qwen3-tiny", dtype="float32").state_dict()["model.layers.0.mlp.up_proj.weight"])
+        with pytest.raises(ValueError, match="different settings"):
+            grpo.run(grpo.GRPOConfig(**TINY), tmp_path / "full", engine=compiled_engine, progress=False)
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
+
+
+@pytest.mark.engine
+def test_weight_sync_matches_fp32_training_side(tmp_path):
+    """After a push, the FP32 engine scores tokens like the FP32 training side (the control's premise)."""
+    from rla_lib.engine import Engine
+    from rla_lib.scoring import token_logprobs
+
+    model = load_model("qwen3-tiny", dtype="float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    with Engine("qwen3-tiny", dtype="float32") as engine:
+        seqs = [s.ids for g in engine.sample(["12+34=", "5+67+8="], n=4, max_tokens=16) for s in g]
+        before = engine.score(seqs)
+        engine.load_weights(model)
+        after = engine.score(seqs)
+    ours = token_logprobs(model, seqs)
+    diff_after = max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, ours))
+    diff_before = max(np.abs(a.token_logprobs - b).max() for a, b in zip(before, ours))
+    assert diff_after < 1e-4 < diff_before

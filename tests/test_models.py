@@ -1,0 +1,77 @@
+import json
+import sys
+
+import pytest
+import torch
+
+from rla_lib.engine import normalize_dtype
+from rla_lib.models import EMBEDDED_MODELS, load_model, resolve_model
+
+
+@pytest.mark.parametrize("name,arch", [("qwen3-tiny", "Qwen3ForCausalLM"), ("qwen2-tiny", "Qwen2ForCausalLM")])
+def test_embedded_models_resolve_and_load(name, arch):
+    spec = resolve_model(name)
+    assert spec.architecture == arch and spec.path == EMBEDDED_MODELS[name]
+    model = load_model(name)
+    assert type(model).__name__ == arch
+    assert next(model.parameters()).dtype == torch.bfloat16
+    size_mb = sum(p.stat().st_size for p in spec.path.iterdir()) / 2**20
+    assert size_mb < 20, f"embedded model should be a few MB, is {size_mb:.1f}"
+
+
+def test_embedded_qwen2_has_the_r1_distill_features():
+    cfg = json.loads((resolve_model("qwen2-tiny").path / "config.json").read_text())
+    model = load_model("qwen2-tiny")
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # QKV bias
+    assert not hasattr(model.model.layers[0].self_attn, "q_norm")  # no Q/K norm
+    assert cfg["tie_word_embeddings"] is False
+
+
+def test_local_path_works_like_the_name(tmp_path):
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(EMBEDDED_MODELS["qwen3-tiny"], dst)
+    spec = resolve_model(str(dst))
+    assert spec.architecture == "Qwen3ForCausalLM" and spec.path == dst.resolve()
+
+
+def test_unknown_model_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an embedded model"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="not an embedded model"):
+        resolve_model("qwen9-huge")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_hub_name_without_hub_access_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local directory"):
+        resolve_model("Qwen/definitely-not-cached-here")
+
+
+def test_other_architecture_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*supports Qwen2ForCausalLM and Qwen3ForCausalLM"):
+        resolve_model(str(tmp_path))
+
+
+def test_dtype_other_than_bf16_fp32_is_refused():
+    assert normalize_dtype(torch.bfloat16) == "bfloat16" and normalize_dtype("fp32") == "float32"
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        normalize_dtype("float16")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        load_model("qwen3-tiny", dtype=torch.float16)
+
+
+def test_missing_vllm_names_the_fix(monkeypatch):
+    from rla_lib import engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match="make setup"):
+        engine.Engine("qwen3-tiny")

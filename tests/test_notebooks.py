@@ -1,0 +1,45 @@
+"""Every notebook runs end to end under papermill (small parameters); a failing cell fails the test."""
+
+import json
+
+import papermill
+import pytest
+
+from rla_lib.paths import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# Small settings so the whole suite fits CI; the defaults are for `make run-all`.
+FAST = {
+    "00_tour": dict(n_prompts=16, n_samples=2),
+    "01_rounding_toy": dict(n_prompts=8),
+    "02_graph_comparison": dict(models=["qwen3-tiny"], hf_compiled=False, n_prompts=16, n_samples=2, n_boot=200),
+    "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
+    "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
+    "05_rounding_clustering": dict(n_prompts=16),
+    "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3, configs=["default BF16", "FP32 control"]),
+}
+
+
+def test_every_notebook_has_a_parameters_cell_and_no_outputs():
+    assert NOTEBOOKS, "no notebooks found"
+    for nb_path in NOTEBOOKS:
+        nb = json.loads(nb_path.read_text())
+        tags = [c.get("metadata", {}).get("tags", []) for c in nb["cells"]]
+        assert sum("parameters" in t for t in tags) == 1, f"{nb_path.name}: needs exactly one cell tagged 'parameters'"
+        for c in nb["cells"]:
+            assert not c.get("outputs") and c.get("execution_count") is None, f"{nb_path.name}: stored with outputs"
+        assert nb["metadata"]["kernelspec"]["name"] == "rla"
+        assert nb_path.stem in FAST, f"{nb_path.name}: add its fast parameters to FAST"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(nb_path, tmp_path, monkeypatch):
+    # the kernel inherits these: quick-run figures and results stay out of the repository
+    monkeypatch.setenv("RLA_FIGURES_DIR", str(tmp_path / "figures"))
+    monkeypatch.setenv("RLA_RESULTS_DIR", str(tmp_path / "results"))
+    papermill.execute_notebook(
+        str(nb_path), str(tmp_path / nb_path.name), parameters=FAST[nb_path.stem],
+        kernel_name="rla", cwd=str(nb_path.parent), progress_bar=False,
+    )
+    assert list((tmp_path / "figures").glob("*.png")), f"{nb_path.name} saved no figure"
