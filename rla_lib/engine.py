@@ -41,7 +41,9 @@ def configure_environment() -> None:
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # the AOT cache fails to reload in 0.32.0
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep notebooks readable
+    # Readable notebooks: every in-place weight reload logs warnings for layers without weights
+    # (rotary) or with tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def import_vllm():

@@ -28,9 +28,9 @@ from .paths import MODELS_DIR
 from .tokenizer import VOCAB, build_tokenizer
 
 EMBEDDED = {"qwen3": MODELS_DIR / "qwen3-tiny", "qwen2": MODELS_DIR / "qwen2-tiny"}
-# Chosen so that temperature-1 accuracy lands mid-range (RL has room to improve): Qwen3 learns fast and
-# stops early once a dev split reaches 50%; Qwen2 learns slower and runs its whole schedule.
-TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=2400, stop_at_accuracy=None)}
+# Training stops at the first check where temperature-1 accuracy on a dev split reaches 50%: right
+# often but not always, so RL has room to improve. Qwen2 (no Q/K norm) learns slower: a longer schedule.
+TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=4000, stop_at_accuracy=0.5)}
 DEV_SPLIT_SEED = 4242
 MAX_POSITIONS = 64  # longest prompt + response of the task is 39 tokens
 
