@@ -24,7 +24,7 @@ import numpy as np
 from . import kl, task
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR
-from .scoring import token_logprobs
+from .scoring import response_tokens, token_logprobs
 
 FULL_VOCAB_LIMIT = 4096
 
@@ -72,11 +72,16 @@ class MismatchRun:
     def sides(self) -> list[str]:
         return list(self.token_lp)
 
+    @property
+    def estimators(self) -> tuple[str, ...]:
+        """The KL estimators this run supports: exact needs full distributions (small vocabulary)."""
+        return ("sampled", "k3", "exact") if self.full else ("sampled", "k3")
+
     def add(self, side: str, per_sequence_lp, per_sequence_full=None) -> None:
         """Keep the response part of per-position scores (entry t scores token t+1)."""
-        self.token_lp[side] = np.concatenate([lp[st:] for lp, st in zip(per_sequence_lp, self.starts)]).astype(np.float32)
+        self.token_lp[side] = response_tokens(per_sequence_lp, self.starts).astype(np.float32)
         if per_sequence_full is not None:
-            self.full[side] = np.concatenate([f[st:] for f, st in zip(per_sequence_full, self.starts)]).astype(np.float32)
+            self.full[side] = response_tokens(per_sequence_full, self.starts).astype(np.float32)
 
     def pairs(self, inference: str, training: str) -> list[dict]:
         """Per-sequence inputs for `rla_lib.kl` estimators."""

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from . import task
-from .paths import MODELS_DIR
+from .models import EMBEDDED_MODELS
 from .tokenizer import VOCAB, build_tokenizer
 
-EMBEDDED = {"qwen3": MODELS_DIR / "qwen3-tiny", "qwen2": MODELS_DIR / "qwen2-tiny"}
+EMBEDDED = {"qwen3": EMBEDDED_MODELS["qwen3-tiny"], "qwen2": EMBEDDED_MODELS["qwen2-tiny"]}  # by architecture
 # Training stops at the first check where temperature-1 accuracy on a dev split reaches 50%: right
 # often but not always, so RL has room to improve. Qwen2 (no Q/K norm) learns slower: a longer schedule.
 TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=4000, stop_at_accuracy=0.5)}

@@ -23,6 +23,12 @@ def pad_batch(sequences, pad_id: int = 0):
     return ids, mask
 
 
+def response_tokens(per_sequence, starts):
+    """Concatenate the response part of per-position scores (entry t scores token t+1, so a response
+    whose prompt has P tokens starts at entry P - 1)."""
+    return np.concatenate([np.asarray(x)[s:] for x, s in zip(per_sequence, starts)])
+
+
 def hidden_states(model, ids, mask):
     return model.model(input_ids=ids, attention_mask=mask).last_hidden_state
 

@@ -66,3 +66,30 @@ def bootstrap_shapley(players, per_sequence: dict, n_boot: int = 1000, seed: int
         phi = shapley_values(players, lambda s: (base[b] - means[s][b]) if reduction else means[s][b])
         out[b] = [phi[p] for p in players]
     return out
+
+
+def attribute(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, unit: float = 1e-4):
+    """Shapley attribution of a gap reduction with bootstrap 95% CIs, from cached per-sequence results.
+
+    per_sequence is as in `bootstrap_shapley`. Returns (table, reduction, base): one row per player
+    with phi (in `unit`), its CI, its share of the reduction and the share's CI; the reduction from
+    the empty to the full coalition and the empty coalition's gap, both in `unit`.
+    """
+    import pandas as pd
+
+    players = tuple(players)
+    gap = {s: sums.sum() / counts.sum() for s, (sums, counts) in per_sequence.items()}
+    none, everything = frozenset(), frozenset(players)
+    phi = shapley_values(players, lambda s: gap[none] - gap[s])
+    boots = bootstrap_shapley(players, per_sequence, n_boot=n_boot, seed=seed)
+    total = boots.sum(1, keepdims=True)
+    share_boots = boots / np.where(total == 0, np.nan, total)
+    reduction = gap[none] - gap[everything]
+    rows = []
+    for i, p in enumerate(players):
+        lo, hi = np.nanquantile(boots[:, i], [0.025, 0.975])
+        slo, shi = np.nanquantile(share_boots[:, i], [0.025, 0.975])
+        rows.append({"region": p, "phi (1e-4)": phi[p] / unit, "phi ci": f"[{lo / unit:.3g}, {hi / unit:.3g}]",
+                     "share": phi[p] / reduction if reduction else np.nan, "share ci": f"[{slo:.0%}, {shi:.0%}]",
+                     "share_lo": slo, "share_hi": shi})
+    return pd.DataFrame(rows).set_index("region"), reduction / unit, gap[none] / unit

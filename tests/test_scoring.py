@@ -46,3 +46,10 @@ def test_grad_mode_keeps_the_graph():
     lps = token_logprobs(model, _sequences(3), grad=True)
     torch.stack([lp.sum() for lp in lps]).sum().backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_response_tokens_keeps_what_follows_each_prompt():
+    from rla_lib.scoring import response_tokens
+
+    per_seq = [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])]
+    np.testing.assert_array_equal(response_tokens(per_seq, [1, 0]), [2.0, 3.0, 4.0, 5.0])

@@ -48,3 +48,14 @@ def test_bootstrap_covers_the_truth_on_a_synthetic_game():
     boots = bootstrap_shapley("ab", per_seq, n_boot=300)
     lo, hi = np.quantile(boots, [0.025, 0.975], axis=0)
     assert lo[0] <= 3.0 <= hi[0] and lo[1] <= 1.0 <= hi[1]
+
+
+def test_attribute_table_on_an_additive_game():
+    from rla_lib.shapley import attribute
+
+    counts = np.full(50, 10)
+    effect = {"a": 3e-4, "b": 1e-4}
+    per_seq = {s: (np.full(50, (10e-4 - sum(effect[p] for p in s)) * 10), counts) for s in coalitions("ab")}
+    table, reduction, base = attribute("ab", per_seq, n_boot=50)
+    assert reduction == pytest.approx(4.0) and base == pytest.approx(10.0)
+    assert table.loc["a", "phi (1e-4)"] == pytest.approx(3.0) and table.loc["b", "share"] == pytest.approx(0.25)
