@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run-all test lab models bench clean
+.PHONY: setup run-all test lab models bench grpo-sweep clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,20 @@ models: setup
 
 bench: setup
 	$(PY) benchmarks/align_overhead.py
+	$(PY) benchmarks/grpo_step.py
+
+# The GRPO settings search of notebook 06, one single-core process per shard (faster than one process
+# on all cores: the tiny model's steps do not scale past a core). Resumable; ends by collecting
+# data/grpo_sweep/histories.csv.gz.
+SWEEP_SHARDS ?= $(shell nproc 2>/dev/null || echo 1)
+grpo-sweep: setup
+	mkdir -p results
+	@pids=; for k in $$(seq 0 $$(($(SWEEP_SHARDS) - 1))); do \
+		echo "shard $$k/$(SWEEP_SHARDS): log in results/grpo_sweep.shard$$k.log"; \
+		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/grpo_sweep.py --shard $$k/$(SWEEP_SHARDS) \
+			> results/grpo_sweep.shard$$k.log 2>&1 & pids="$$pids $$!"; \
+	done; fail=0; for p in $$pids; do wait $$p || fail=1; done; \
+	$(PY) experiments/grpo_sweep.py --collect-only; exit $$fail
 
 clean:
 	rm -rf notebooks/executed results .pytest_cache .cache

@@ -26,9 +26,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     with tempfile.TemporaryDirectory() as out:
         h = grpo.run(cfg, out, progress=False)
     parts = ["t_rollout", "t_score", "t_update", "t_sync"]
-    med = h[parts].iloc[1:].median()
+    h = h[h["step"] > 1]  # step 0 is the held-out accuracy before training, step 1 the warm-up
+    med = h[parts].median()
     print(f"GRPO step, {args.model}, {args.precision}, regions={args.regions or 'none'}, "
-          f"{args.prompts} prompts x {args.group_size} samples, median of {len(h) - 1} steps after warm-up:")
+          f"{args.prompts} prompts x {args.group_size} samples, median of {len(h)} steps after warm-up:")
     for p in parts:
         print(f"  {p[2:]:>8}: {med[p]:.3f} s")
     print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens)")

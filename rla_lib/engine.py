@@ -122,7 +122,7 @@ class Engine:
             enforce_eager=(mode == "eager"),
             max_logprobs=-1 if full_vocab_ok else 64,
             worker_extension_cls="rla_lib.engine.WorkerExtension",
-            **llm_kwargs,
+            **{"use_tqdm_on_load": False} | llm_kwargs,  # no progress bar at every weight push
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._weights_dir = None

@@ -37,6 +37,7 @@ from . import task
 from .align import align
 from .kl import MismatchMonitor
 from .models import load_model
+from .rounding import round_mantissa
 from .scoring import pad_batch
 
 
@@ -58,6 +59,8 @@ class GRPOConfig:
     minibatches: int = 2  # updates per rollout batch; >1 makes the clip matter
     max_grad_norm: float = 1.0
     tis_cap: float | None = None  # truncated importance sampling weight cap (e.g. 2.0); None = no correction
+    rollout_mantissa_bits: int | None = None  # engine gets weights rounded to this many mantissa bits (< 7):
+    # a controlled, larger mismatch (lower-precision rollouts, e.g. FP8 E4M3 keeps 3); None = plain BF16
     eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
@@ -68,6 +71,9 @@ class GRPOConfig:
             raise ValueError(f"precision must be 'bf16' or 'fp32' (the zero-mismatch control), got {self.precision!r}")
         if self.precision == "fp32" and self.regions:
             raise ValueError("alignment changes nothing in FP32: use regions=() with precision='fp32'")
+        if self.rollout_mantissa_bits is not None and not (self.precision == "bf16" and 0 <= self.rollout_mantissa_bits < 7):
+            raise ValueError("rollout_mantissa_bits must be in [0, 6] (BF16 keeps 7) with precision='bf16'; "
+                             f"got {self.rollout_mantissa_bits} with precision={self.precision!r}")
         self.regions = tuple(self.regions)
 
     @property
@@ -118,6 +124,13 @@ class Policy:
             with torch.no_grad():
                 for c, m in zip(self.compute.parameters(), self.master.parameters()):
                     c.copy_(m)  # round the FP32 master to BF16
+
+    def rollout_weights(self):
+        """What the engine gets: the FP32 master (the engine rounds it to its dtype), or coarser if asked."""
+        bits = self.cfg.rollout_mantissa_bits
+        if bits is None:
+            return self.master
+        return {k: round_mantissa(v.detach(), bits) for k, v in self.master.state_dict().items()}
 
     def logprobs(self, ids, mask, grad: bool):
         """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position."""
@@ -205,12 +218,14 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
     own_engine = engine is None
     if own_engine:
         engine = Engine(cfg.model, mode=cfg.engine_mode, dtype="float32" if cfg.precision == "fp32" else "bfloat16", seed=cfg.seed)
-    engine.load_weights(policy.master)
+    engine.load_weights(policy.rollout_weights())
 
     eval_split = task.load_split()[: cfg.eval_prompts]
     exclude = {p.prompt for p in task.load_split()}
     monitor = MismatchMonitor()
-    for row in history:
+    if not history:  # step 0: the held-out accuracy before any update, the start of every curve
+        history.append(dict(step=0, eval_accuracy=evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)))
+    for row in history[1:]:
         monitor.rows.append({k: row[k] for k in ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")})
     try:
         for step in tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not progress, desc=out_dir.name):
@@ -259,7 +274,7 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
     t_update = time.perf_counter()
-    engine.load_weights(policy.master)
+    engine.load_weights(policy.rollout_weights())
     t_sync = time.perf_counter()
 
     m = monitor.rows[-1]
@@ -272,3 +287,53 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     if step % cfg.eval_every == 0:
         row["eval_accuracy"] = evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)
     return row
+
+
+# ---- reading the results -------------------------------------------------------------------
+COLLAPSE_DROP = 0.10  # a run "collapsed" if its held-out accuracy ends this far below its own peak
+
+
+def summarize(history: pd.DataFrame) -> pd.Series:
+    """One run in a row: reward and held-out accuracy early/peak/late, mismatch, clip fraction, step time.
+
+    "eval acc first" is the accuracy before training (step 0).
+    """
+    ev = history.dropna(subset=["eval_accuracy"])
+    h = history[history["step"] > 0]
+    k = max(1, len(h) // 5)
+    nan = float("nan")
+    out = pd.Series({
+        "reward first 20%": h["reward"].head(k).mean(), "reward last 20%": h["reward"].tail(k).mean(),
+        "eval acc first": ev["eval_accuracy"].iloc[0] if len(ev) else nan,
+        "eval acc peak": ev["eval_accuracy"].max() if len(ev) else nan,
+        "eval acc last": ev["eval_accuracy"].iloc[-1] if len(ev) else nan,
+        "k3 mean (1e-4)": h["k3"].mean(), "k3 last 20% (1e-4)": h["k3"].tail(k).mean(),
+        "sampled KL mean (1e-4)": h["sampled_kl"].mean(), "entropy last 20%": h["entropy"].tail(k).mean(),
+        "clip frac": h["clip_frac"].mean(),
+        "step seconds": h[["t_rollout", "t_score", "t_update", "t_sync"]].sum(1).median(),
+    })
+    out["drop from peak"] = out["eval acc peak"] - out["eval acc last"]
+    out["collapsed"] = bool(out["drop from peak"] > COLLAPSE_DROP)
+    return out
+
+
+def compare_seeds(histories: pd.DataFrame, by=("config",)) -> pd.DataFrame:
+    """Runs that differ only by seed, side by side: mean and standard error over seeds of each summary.
+
+    `histories` stacks run histories with a `run` column naming each run and the `by` columns labelling
+    its settings. Returns one row per setting, columns (metric, "mean" | "se"), plus `seeds` and
+    `collapsed` (how many of them collapsed).
+    """
+    by = list(by)
+    runs = histories.groupby("run", sort=False)  # settings keep the order they first appear in
+    per_run = pd.DataFrame({run: summarize(h).rename(None) for run, h in runs}).T
+    labels = runs[by].first()
+    per_run = per_run.join(labels)
+    metrics = [c for c in per_run.columns if c not in by and c != "collapsed"]
+    per_run[metrics] = per_run[metrics].astype(float)
+    g = per_run.groupby(by, sort=False)
+    table = pd.concat({"mean": g[metrics].mean(), "se": g[metrics].sem()}, axis=1).swaplevel(axis=1)
+    table = table[[(m, s) for m in metrics for s in ("mean", "se")]]
+    table[("seeds", "")] = g.size()
+    table[("collapsed", "")] = g["collapsed"].apply(lambda c: int(c.astype(bool).sum()))
+    return table

@@ -95,7 +95,15 @@ def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu")
     from transformers import AutoModelForCausalLM
 
     spec = resolve_model(model)
-    m = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(dtype)).to(device)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per load is noise in a GRPO loop or a notebook
+    try:
+        m = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(dtype)).to(device)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     m.eval()
     return m
 

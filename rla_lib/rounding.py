@@ -125,6 +125,25 @@ def round_bf16(x) -> torch.Tensor:
     return out.view(torch.bfloat16)
 
 
+def round_mantissa(x, bits: int) -> torch.Tensor:
+    """Round FP32 to `bits` explicit mantissa bits (ties to even), returned as FP32; exponent range unchanged.
+
+    `bits=7` equals `round_bf16` for finite values; fewer bits give a controlled, coarser rounding
+    (FP8 E4M3 keeps 3, E5M2 keeps 2; their exponent range and scaling are not modelled).
+    """
+    if not 0 <= bits <= 23:
+        raise ValueError(f"bits must be in [0, 23] (FP32 has 23 mantissa bits), got {bits}")
+    x = _as_fp32(x)
+    _require_finite(x, "round_mantissa")
+    if bits == 23:
+        return x.clone()
+    shift = 23 - bits
+    u = _bits(x).to(torch.int64) & 0xFFFFFFFF
+    lsb = (u >> shift) & 1
+    u = ((u + (1 << (shift - 1)) - 1 + lsb) >> shift) << shift  # a carry into the exponent is right
+    return _from_bits(torch.where(u >= 2**31, u - 2**32, u))
+
+
 def bf16_ulp(x) -> torch.Tensor:
     """Spacing of BF16 numbers at x (FP32 tensor): 2**(floor(log2|x|) - 7), 2**-133 below 2**-126."""
     x = _as_fp32(x)

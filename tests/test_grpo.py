@@ -42,6 +42,51 @@ def test_config_validation():
         grpo.GRPOConfig(precision="fp16")
     with pytest.raises(ValueError, match="FP32"):
         grpo.GRPOConfig(precision="fp32", regions=("rope",))
+    with pytest.raises(ValueError, match="rollout_mantissa_bits"):
+        grpo.GRPOConfig(rollout_mantissa_bits=7)
+    with pytest.raises(ValueError, match="rollout_mantissa_bits"):
+        grpo.GRPOConfig(precision="fp32", rollout_mantissa_bits=3)
+
+
+def test_coarser_rollout_weights():
+    policy = grpo.Policy(grpo.GRPOConfig(rollout_mantissa_bits=3))
+    coarse = policy.rollout_weights()
+    master = policy.master.state_dict()
+    assert set(coarse) == set(master)
+    w, c = master["model.layers.0.mlp.up_proj.weight"], coarse["model.layers.0.mlp.up_proj.weight"]
+    assert not (c.view(torch.int32) & (2**20 - 1)).any() and not torch.equal(c, w)
+    plain = grpo.Policy(grpo.GRPOConfig())
+    assert plain.rollout_weights() is plain.master  # plain BF16: the engine rounds the master itself
+
+
+@pytest.mark.engine
+def test_coarser_rollouts_make_a_larger_mismatch(compiled_engine):
+    from rla_lib.scoring import token_logprobs
+
+    policy = grpo.Policy(grpo.GRPOConfig(rollout_mantissa_bits=3))
+    seqs = [s.ids for g in compiled_engine.sample(["12+34=", "5+67+8=", "91+3+40+7="], n=4, max_tokens=24) for s in g]
+    train = token_logprobs(policy.compute, seqs)
+
+    def mean_abs_gap():
+        return np.mean(np.concatenate([np.abs(e.token_logprobs - t) for e, t in zip(compiled_engine.score(seqs), train)]))
+
+    try:
+        plain = mean_abs_gap()
+        compiled_engine.load_weights(policy.rollout_weights())
+        coarse = mean_abs_gap()
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))
+    assert coarse > 5 * plain > 0
+
+
+def test_summarize_flags_a_drop_from_peak():
+    base = dict(reward=0.5, k3=1.0, sampled_kl=1.0, entropy=0.3, clip_frac=0.01, t_rollout=0.2, t_score=0.2, t_update=0.9, t_sync=0.05)
+    h = pd.DataFrame([dict(step=0, eval_accuracy=0.5)] + [dict(base, step=s, eval_accuracy=a) for s, a in [(1, np.nan), (2, 0.7), (3, 0.55)]])
+    s = grpo.summarize(h)
+    assert s["eval acc first"] == 0.5 and s["eval acc peak"] == 0.7 and s["eval acc last"] == 0.55
+    assert s["drop from peak"] == pytest.approx(0.15) and s["collapsed"]
+    assert s["reward first 20%"] == 0.5 and s["step seconds"] == pytest.approx(1.35)  # training rows only
+    assert not grpo.summarize(h.assign(eval_accuracy=[0.5, np.nan, 0.7, 0.65]))["collapsed"]
 
 
 def test_prompts_are_a_function_of_seed_and_step():
@@ -62,7 +107,7 @@ def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
         grpo.run(grpo.GRPOConfig(regions=("rope",), **(TINY | dict(steps=2))), tmp_path / "resumed", engine=compiled_engine, progress=False)
         resumed = grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
         pd.testing.assert_frame_equal(full.drop(columns=TIMING), resumed.drop(columns=TIMING))
-        assert len(full) == 4 and full["eval_accuracy"].notna().sum() == 2
+        assert full["step"].tolist() == [0, 1, 2, 3, 4] and full["eval_accuracy"].notna().sum() == 3  # step 0: before training
         a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["master"]
         b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["master"]
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -92,3 +137,17 @@ def test_weight_sync_matches_fp32_training_side(tmp_path):
     diff_after = max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, ours))
     diff_before = max(np.abs(a.token_logprobs - b).max() for a, b in zip(before, ours))
     assert diff_after < 1e-4 < diff_before
+
+
+def test_compare_seeds_means_and_counts():
+    base = dict(reward=0.5, k3=1.0, sampled_kl=1.0, entropy=0.3, clip_frac=0.01, t_rollout=0.2, t_score=0.2, t_update=0.9, t_sync=0.05)
+
+    def history(run, config, accuracies):
+        rows = [dict(step=0, eval_accuracy=accuracies[0])] + [dict(base, step=i, eval_accuracy=a) for i, a in enumerate(accuracies[1:], 1)]
+        return pd.DataFrame(rows).assign(run=run, config=config)
+
+    h = pd.concat([history("a0", "a", [0.5, 0.7, 0.5]), history("a1", "a", [0.5, 0.6, 0.6]), history("b0", "b", [0.5, 0.6, 0.62])])
+    t = grpo.compare_seeds(h)
+    assert t.index.tolist() == ["a", "b"] and t["seeds"].tolist() == [2, 1] and t["collapsed"].tolist() == [1, 0]
+    assert t.loc["a", ("eval acc last", "mean")] == pytest.approx(0.55) and t.loc["a", ("eval acc last", "se")] == pytest.approx(0.05)
+    assert t.loc["a", ("drop from peak", "mean")] == pytest.approx(0.1)

@@ -90,6 +90,22 @@ def test_inputs_other_than_fp32():
 # ------------------------------------------------------------------------------------------------ ulp, neighbours, position
 
 
+def test_round_mantissa():
+    x = random_fp32()
+    x = x[x.abs() < 3e38]  # round_bf16 sends the very top to inf, as does round_mantissa
+    assert torch.equal(R.round_mantissa(x, 7), R.round_bf16(x).float())
+    assert torch.equal(R.round_mantissa(x, 23), x)
+    assert R.round_mantissa(f32(1.0625, 1.1875, 1.06, -3.3, 15.9), 3).tolist() == [1.0, 1.25, 1.0, -3.25, 16.0]  # ties to even
+    for bits in (1, 3, 5):
+        r = R.round_mantissa(x, bits)
+        assert not (r.view(torch.int32) & ((1 << (23 - bits)) - 1)).any()  # only `bits` mantissa bits left
+        normal = (x.abs() > 2.0**-120) & (x.abs() < 1e38)  # (near the top, coarse steps round up to inf)
+        step = 2.0 ** (torch.floor(torch.log2(x[normal].abs().double())) - bits)
+        assert ((r[normal].double() - x[normal].double()).abs() <= step / 2).all()  # nearest
+    with pytest.raises(ValueError, match="bits"):
+        R.round_mantissa(x, 24)
+
+
 def test_ulp_hand_cases():
     x = f32(1.5, 1.0, 3.0, -3.0, 2.0, 1.9999, 0.75, 0.0, 2.0**-126, 2.0**-125, 2.0**-130, 3e38)
     want = [U7, U7, U6, U6, U6, U7, 2.0**-8, 2.0**-133, 2.0**-133, 2.0**-132, 2.0**-133, 2.0**120]
