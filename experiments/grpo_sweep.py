@@ -19,25 +19,19 @@ The grid, for the embedded qwen3-tiny (16 prompts x 8 samples, 32 tokens, 2 mini
 """
 
 import argparse
-import os
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "results" / "grpo_sweep"
-SHIPPED = ROOT / "data" / "grpo_sweep" / "histories.csv.gz"
-ALL_THREE = ("rope", "swiglu", "residual_norm")
-CONFIGS = {
-    "default BF16": dict(),
-    "all three": dict(regions=ALL_THREE),
-    "FP32 control": dict(precision="fp32"),
-    "default BF16, 3-bit rollouts": dict(rollout_mantissa_bits=3),
-}
+from rla_lib.grpo import CONFIGURATIONS
+from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write
+
+OUT = RESULTS_DIR / "grpo_sweep"
+SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
+CONFIGS = ["default BF16", "all three", "FP32 control", "default BF16, 3-bit rollouts"]
 COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=32, eval_every=25, eval_prompts=256,
               checkpoint_every=25)
 GRID = [  # (tag, settings, seeds, configs)
-    ("lr3e-4", dict(lr=3e-4, steps=300), (0, 1, 2), list(CONFIGS)),
-    ("lr4e-4", dict(lr=4e-4, steps=150), (0, 1, 2), list(CONFIGS)),
-    ("lr6e-4", dict(lr=6e-4, steps=150), (0, 1, 2), list(CONFIGS)),
+    ("lr3e-4", dict(lr=3e-4, steps=300), (0, 1, 2), CONFIGS),
+    ("lr4e-4", dict(lr=4e-4, steps=150), (0, 1, 2), CONFIGS),
+    ("lr6e-4", dict(lr=6e-4, steps=150), (0, 1, 2), CONFIGS),
     ("lr1e-3", dict(lr=1e-3, steps=150), (0, 1, 2), ["default BF16", "all three", "FP32 control"]),
 ]
 
@@ -53,7 +47,7 @@ def planned_runs(only=None, seeds=None, configs=None):
                 if configs and name not in configs:
                     continue
                 run_id = f"{tag}-s{seed}-{name.replace(' ', '_').replace(',', '')}"
-                yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **CONFIGS[name], seed=seed)
+                yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **CONFIGURATIONS[name], seed=seed)
 
 
 def collect(runs) -> "pd.DataFrame":
@@ -68,38 +62,24 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="sweep tags to run (default: all)")
     parser.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: each tag's own)")
-    parser.add_argument("--configs", nargs="*", help=f"configurations to run (default: each tag's own; from {list(CONFIGS)})")
+    parser.add_argument("--configs", nargs="*", help=f"configurations to run (default: each tag's own; from {CONFIGS})")
     parser.add_argument("--shard", default="0/1", help="K/N: run every N-th planned run starting at K (parallel processes)")
     parser.add_argument("--collect-only", action="store_true", help="just rebuild the shipped file from finished runs")
     args = parser.parse_args()
 
     from rla_lib import grpo
-    from rla_lib.engine import Engine
 
     k, n = map(int, args.shard.split("/"))
     if args.configs and set(args.configs) - set(CONFIGS):
-        parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(CONFIGS))}; choose from {list(CONFIGS)}")
+        parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(CONFIGS))}; choose from {CONFIGS}")
     runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))[k::n]
-    engines = {}  # one engine per dtype, reused: each run loads its own starting weights first
-    try:
-        for i, (run_id, labels, settings) in enumerate(runs if not args.collect_only else []):
-            cfg = grpo.GRPOConfig(**settings)
-            dtype = "float32" if cfg.precision == "fp32" else "bfloat16"
-            if dtype not in engines:
-                engines[dtype] = Engine(cfg.model, mode="compiled", dtype=dtype, seed=0)
-            print(f"[{i + 1}/{len(runs)}] {run_id}", flush=True)
-            h = grpo.run(cfg, OUT / run_id, engine=engines[dtype], progress=False)
-            s = grpo.summarize(h)
-            print(f"    eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last {s['eval acc last']:.3f}"
-                  f"   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)
-    finally:
-        for e in engines.values():
-            e.close()
+    todo = [] if args.collect_only else [(grpo.GRPOConfig(**settings), OUT / run_id) for run_id, _, settings in runs]
+    for i, (cfg, out, h) in enumerate(grpo.run_many(todo, progress=False), 1):  # engines shared across runs
+        s = grpo.summarize(h)
+        print(f"[{i}/{len(todo)}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
+              f"{s['eval acc last']:.3f}   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)
 
     every = list(planned_runs())
     data = collect(every)
-    SHIPPED.parent.mkdir(parents=True, exist_ok=True)
-    tmp = SHIPPED.with_name(".tmp-" + SHIPPED.name)
-    data.to_csv(tmp, index=False, float_format="%.6g", compression="gzip")
-    os.replace(tmp, SHIPPED)
+    atomic_write(SHIPPED, lambda tmp: data.to_csv(tmp, index=False, float_format="%.6g", compression="gzip"))
     print(f"{data['run'].nunique()} of {len(every)} runs collected in {SHIPPED.relative_to(ROOT)}")

@@ -55,7 +55,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .paths import RESULTS_DIR, ROOT
+from .paths import RESULTS_DIR, ROOT, atomic_write
 
 GRAPHS_DIR = RESULTS_DIR / "graphs"
 SCHEDULE_FORMAT = "rla-rounding-schedule/1"
@@ -137,12 +137,7 @@ class Graph:
 
 
 def _atomic_write_json(path, obj) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1, default=str)))
 
 
 # ==================================================================================================

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,9 +33,10 @@ import pandas as pd
 import torch
 
 from . import task
-from .align import align
+from .align import REGIONS, align
 from .kl import MismatchMonitor
 from .models import load_model
+from .paths import atomic_write
 from .rounding import round_mantissa
 from .scoring import pad_batch
 
@@ -79,6 +79,21 @@ class GRPOConfig:
     @property
     def dtype(self):
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    @property
+    def engine_dtype(self) -> str:
+        return "bfloat16" if self.precision == "bf16" else "float32"
+
+
+# The configurations compared in notebook 06 and the settings search, by name.
+CONFIGURATIONS = {
+    "default BF16": dict(),
+    "rope": dict(regions=("rope",)),
+    "all three": dict(regions=REGIONS),
+    "FP32 control": dict(precision="fp32"),
+    "default BF16 + TIS": dict(tis_cap=2.0),
+    "default BF16, 3-bit rollouts": dict(rollout_mantissa_bits=3),  # a deliberately larger mismatch
+}
 
 
 # ---- the objective ---------------------------------------------------------------------------
@@ -167,15 +182,9 @@ def training_prompts(step: int, n: int, seed: int, exclude: set[str]) -> list[ta
     return out
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) -> None:
     state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict(), history=history)
-    _atomic_write(path, lambda p: torch.save(state, p))
+    atomic_write(path, lambda p: torch.save(state, p))
 
 
 def evaluate(engine, problems, seed: int, max_tokens: int) -> float:
@@ -203,7 +212,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
         if changed:
             raise ValueError(f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
                              "use another out_dir, or delete it to start over")
-    _atomic_write(config_path, lambda p: p.write_text(json.dumps(settings, indent=1, sort_keys=True)))
+    atomic_write(config_path, lambda p: p.write_text(json.dumps(settings, indent=1, sort_keys=True)))
 
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg)
@@ -217,7 +226,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
         history, start = state["history"], state["step"] + 1
     own_engine = engine is None
     if own_engine:
-        engine = Engine(cfg.model, mode=cfg.engine_mode, dtype="float32" if cfg.precision == "fp32" else "bfloat16", seed=cfg.seed)
+        engine = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
     engine.load_weights(policy.rollout_weights())
 
     eval_split = task.load_split()[: cfg.eval_prompts]
@@ -232,11 +241,30 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(ckpt, policy, step, history)
-                _atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
+                atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
     finally:
         if own_engine:
             engine.close()
     return pd.DataFrame(history)
+
+
+def run_many(runs, progress: bool = True):
+    """Run `[(cfg, out_dir), ...]` in order, one engine per (model, mode, dtype) shared by the runs that need it.
+
+    Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end.
+    """
+    from .engine import Engine
+
+    engines = {}
+    try:
+        for cfg, out_dir in runs:
+            key = (cfg.model, cfg.engine_mode, cfg.engine_dtype)
+            if key not in engines:
+                engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
+            yield cfg, out_dir, run(cfg, out_dir, engine=engines[key], progress=progress)
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
@@ -337,3 +365,9 @@ def compare_seeds(histories: pd.DataFrame, by=("config",)) -> pd.DataFrame:
     table[("seeds", "")] = g.size()
     table[("collapsed", "")] = g["collapsed"].apply(lambda c: int(c.astype(bool).sum()))
     return table
+
+
+def seed_difference(table: pd.DataFrame, a, b, metric: str = "eval acc last") -> tuple[float, float]:
+    """Difference of seed means a - b of `metric` in a `compare_seeds` table, and its standard error."""
+    (ma, sa), (mb, sb) = table.loc[a, [(metric, "mean"), (metric, "se")]], table.loc[b, [(metric, "mean"), (metric, "se")]]
+    return float(ma - mb), float(np.hypot(sa, sb))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 
 from . import kl, task
 from .models import load_model, resolve_model
-from .paths import RESULTS_DIR
+from .paths import RESULTS_DIR, atomic_write
 from .scoring import response_tokens, token_logprobs
 
 FULL_VOCAB_LIMIT = 4096
@@ -104,15 +103,11 @@ class MismatchRun:
 
     # ---- persistence (atomic) ------------------------------------------------------------
     def save(self, path: Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {f"lp::{k}": v for k, v in self.token_lp.items()} | {f"full::{k}": v for k, v in self.full.items()}
         lengths = np.array([len(s) for s in self.sequences])
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez_compressed(tmp, ids=np.concatenate(self.sequences), seq_lengths=lengths, starts=np.array(self.starts),
-                            rewards=self.rewards, meta=np.array(json.dumps(self.meta)), **arrays)
-        os.replace(tmp, path)
-        return path
+        return atomic_write(path, lambda tmp: np.savez_compressed(
+            tmp, ids=np.concatenate(self.sequences), seq_lengths=lengths, starts=np.array(self.starts),
+            rewards=self.rewards, meta=np.array(json.dumps(self.meta)), **arrays))
 
     @classmethod
     def load(cls, path: Path) -> "MismatchRun":

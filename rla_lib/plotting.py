@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from .paths import FIGURES_DIR
+from .paths import FIGURES_DIR, atomic_write
 
 
 def save_figure(fig, name: str, directory: Path | str = FIGURES_DIR) -> list[Path]:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for ext in ("png", "svg"):
-        path = directory / f"{name}.{ext}"
-        tmp = directory / f".{name}.tmp.{ext}"
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths
+    return [atomic_write(Path(directory) / f"{name}.{ext}", lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight"))
+            for ext in ("png", "svg")]

@@ -68,7 +68,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 # --------------------------------------------------------------------------------------------------
@@ -102,6 +101,11 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+def _round_off_low_bits(u: torch.Tensor, shift: int) -> torch.Tensor:
+    """Unsigned FP32 bit patterns (int64) without their low `shift` bits, rounded to nearest, ties to even."""
+    return (u + (1 << (shift - 1)) - 1 + ((u >> shift) & 1)) >> shift
+
+
 def _require_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         n = int((~torch.isfinite(x)).sum())
@@ -117,8 +121,7 @@ def round_bf16(x) -> torch.Tensor:
     """
     x = _as_fp32(x)
     bits = _bits(x).to(torch.int64) & 0xFFFFFFFF  # unsigned view
-    lsb = (bits >> 16) & 1
-    rounded = ((bits + 0x7FFF + lsb) >> 16) & _LOW16  # carry into the exponent is the right answer
+    rounded = _round_off_low_bits(bits, 16) & _LOW16  # carry into the exponent is the right answer
     rounded = torch.where(torch.isnan(x), torch.full_like(rounded, 0xFFFF), rounded)
     # inf: 0x7F800000 + 0x7FFF keeps the exponent at all ones and the mantissa at zero, so no special case.
     out = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
@@ -138,9 +141,7 @@ def round_mantissa(x, bits: int) -> torch.Tensor:
     if bits == 23:
         return x.clone()
     shift = 23 - bits
-    u = _bits(x).to(torch.int64) & 0xFFFFFFFF
-    lsb = (u >> shift) & 1
-    u = ((u + (1 << (shift - 1)) - 1 + lsb) >> shift) << shift  # a carry into the exponent is right
+    u = _round_off_low_bits(_bits(x).to(torch.int64) & 0xFFFFFFFF, shift) << shift  # a carry into the exponent is right
     return _from_bits(torch.where(u >= 2**31, u - 2**32, u))
 
 

@@ -79,9 +79,15 @@ def test_coarser_rollouts_make_a_larger_mismatch(compiled_engine):
     assert coarse > 5 * plain > 0
 
 
-def test_summarize_flags_a_drop_from_peak():
+def fake_history(accuracies):
+    """A run's history: held-out accuracy accuracies[0] before training, accuracies[i] after step i."""
     base = dict(reward=0.5, k3=1.0, sampled_kl=1.0, entropy=0.3, clip_frac=0.01, t_rollout=0.2, t_score=0.2, t_update=0.9, t_sync=0.05)
-    h = pd.DataFrame([dict(step=0, eval_accuracy=0.5)] + [dict(base, step=s, eval_accuracy=a) for s, a in [(1, np.nan), (2, 0.7), (3, 0.55)]])
+    rows = [dict(step=0, eval_accuracy=accuracies[0])] + [dict(base, step=i, eval_accuracy=a) for i, a in enumerate(accuracies[1:], 1)]
+    return pd.DataFrame(rows)
+
+
+def test_summarize_flags_a_drop_from_peak():
+    h = fake_history([0.5, np.nan, 0.7, 0.55])
     s = grpo.summarize(h)
     assert s["eval acc first"] == 0.5 and s["eval acc peak"] == 0.7 and s["eval acc last"] == 0.55
     assert s["drop from peak"] == pytest.approx(0.15) and s["collapsed"]
@@ -140,14 +146,18 @@ def test_weight_sync_matches_fp32_training_side(tmp_path):
 
 
 def test_compare_seeds_means_and_counts():
-    base = dict(reward=0.5, k3=1.0, sampled_kl=1.0, entropy=0.3, clip_frac=0.01, t_rollout=0.2, t_score=0.2, t_update=0.9, t_sync=0.05)
-
     def history(run, config, accuracies):
-        rows = [dict(step=0, eval_accuracy=accuracies[0])] + [dict(base, step=i, eval_accuracy=a) for i, a in enumerate(accuracies[1:], 1)]
-        return pd.DataFrame(rows).assign(run=run, config=config)
+        return fake_history(accuracies).assign(run=run, config=config)
 
     h = pd.concat([history("a0", "a", [0.5, 0.7, 0.5]), history("a1", "a", [0.5, 0.6, 0.6]), history("b0", "b", [0.5, 0.6, 0.62])])
     t = grpo.compare_seeds(h)
     assert t.index.tolist() == ["a", "b"] and t["seeds"].tolist() == [2, 1] and t["collapsed"].tolist() == [1, 0]
     assert t.loc["a", ("eval acc last", "mean")] == pytest.approx(0.55) and t.loc["a", ("eval acc last", "se")] == pytest.approx(0.05)
     assert t.loc["a", ("drop from peak", "mean")] == pytest.approx(0.1)
+
+
+def test_seed_difference():
+    h = pd.concat([fake_history(acc).assign(run=f"{c}{i}", config=c)
+                   for c, runs in {"a": [[0.5, 0.6], [0.5, 0.7]], "b": [[0.5, 0.5], [0.5, 0.6]]}.items() for i, acc in enumerate(runs)])
+    diff, se = grpo.seed_difference(grpo.compare_seeds(h), "a", "b")
+    assert diff == pytest.approx(0.1) and se == pytest.approx(np.hypot(0.05, 0.05))
