@@ -31,7 +31,7 @@ run-all: setup
 	mkdir -p notebooks/executed figures
 	@for nb in $(NOTEBOOKS); do \
 		echo "== $$nb"; \
-		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
+		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
 	done
 
 test: setup

@@ -11,7 +11,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Small settings so the whole suite fits CI; the defaults are for `make run-all`.
 FAST = {
     "00_tour": dict(n_prompts=16, n_samples=2),
-    "01_rounding_toy": dict(n_prompts=8),
+    "01_rounding_toy": dict(n_prompts=8, live_widget=False),
     "02_graph_comparison": dict(models=["qwen3-tiny"], hf_compiled=False, n_prompts=16, n_samples=2, n_boot=200),
     "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
