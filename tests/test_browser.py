@@ -1,0 +1,177 @@
+"""JupyterLab as people use it: headless Chromium runs notebook 01, moves its widget, sees its figure.
+
+The browser is Debian's `chromium` (make setup installs it where it can), driven by Playwright's Python
+package with `executable_path`: nothing is downloaded. The server is `rla_lib.lab` (what `make lab` runs)
+on 127.0.0.1, serving a temporary copy of the notebook (JupyterLab autosaves outputs into what it opens).
+Screenshots go to screenshots/ (ignored by git). Marked `engine` as well as `browser`, so the fast tier
+(`make test-fast`, `-m "not engine"`) skips it: it takes a JupyterLab start plus a full notebook run.
+"""
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+
+import pytest
+
+from rla_lib import lab, rounding
+from rla_lib.paths import ROOT
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+NOTEBOOK = "01_rounding_toy.ipynb"
+SCREENSHOTS = ROOT / "screenshots"
+# As root in a container; the rest keep Chromium off this machine's closed network (refused connections).
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# JupyterLab settings for the test's own settings folder: every cell in the DOM (no windowing), no news toasts.
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+}
+RUN_ALL_TIMEOUT_S = 900  # a hang guard on a loaded 2-core machine, not a timing assertion
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+
+
+# ---- rla_lib.lab without a browser -------------------------------------------------------------
+def test_a_taken_port_is_skipped():
+    with socket.socket() as s:
+        s.bind((lab.HOST, 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert not lab.port_is_free(taken)
+        assert lab.free_port(taken) > taken
+
+
+def test_a_missing_kernel_names_make_setup():
+    with pytest.raises(lab.KernelMissing, match="make setup"):
+        lab.require_kernel("rla-no-such-kernel")
+
+
+def test_lab_listens_on_localhost_with_the_rla_kernel():
+    cmd = lab.lab_command(8888, "t", ROOT / "notebooks")
+    assert f"--ServerApp.ip={lab.HOST}" in cmd and lab.HOST == "127.0.0.1"
+    assert f"--MappingKernelManager.default_kernel_name={lab.KERNEL}" in cmd
+    assert lab.kernel_installed(), "the rla kernel is missing: run make setup"
+
+
+# ---- the browser ---------------------------------------------------------------------------------
+@pytest.fixture
+def chromium():
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"no Chromium at {CHROMIUM}: `make setup` installs it as root with apt-get, "
+                    "or install it with `sudo apt-get install chromium`")
+    pytest.importorskip("playwright.sync_api", reason="playwright is missing: run `make setup`")
+    return CHROMIUM
+
+
+@pytest.fixture
+def lab_server(tmp_path):
+    """JupyterLab (rla_lib.lab) on a free port with a test token, serving a copy of notebook 01."""
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copy(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)
+    settings = tmp_path / "lab-settings"
+    for name, values in LAB_SETTINGS.items():
+        (settings / os.path.dirname(name)).mkdir(parents=True, exist_ok=True)
+        (settings / name).write_text(json.dumps(values))
+    env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               RLA_FIGURES_DIR=str(tmp_path / "figures"), RLA_RESULTS_DIR=str(tmp_path / "results"),
+               RLA_TABLES_DIR=str(tmp_path / "tables"))  # the kernel inherits these: figures stay out of the repo
+    port, token = lab.free_port(lab.DEFAULT_PORT + 100), secrets.token_hex(16)
+    extra = [f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--no-browser"]
+    log = open(tmp_path / "lab.log", "w")
+    proc = lab.start(root, port, token, extra, env=env, stdout=log, stderr=log)
+    try:
+        lab.wait_until_ready(proc, port, token)
+        yield port, token
+    finally:
+        lab.stop(proc)
+        log.close()
+
+
+def run_all(page, attempts=5):
+    """Run > Run All Cells, again if no cell starts (the menu command stays disabled until the kernel is ready)."""
+    prompts = page.locator(f"{PANEL} .jp-CodeCell .jp-InputArea-prompt")
+    for _ in range(attempts):
+        page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        for _ in range(30):
+            if any(t.strip() != "[ ]:" for t in prompts.all_inner_texts()):
+                return
+            page.wait_for_timeout(1000)
+        page.keyboard.press("Escape")
+    raise AssertionError(f"Run All Cells started no cell in {attempts} attempts")
+
+
+def wait_for_run_all(page):
+    """Until no code cell is queued or running and the first has run; then whether every one ran."""
+    deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        prompts = page.locator(f"{PANEL} .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        if prompts and "[*]" not in "".join(prompts) and any(ch.isdigit() for ch in prompts[0]):
+            return prompts
+        page.wait_for_timeout(1000)
+    raise TimeoutError(f"run-all did not finish within {RUN_ALL_TIMEOUT_S} s")
+
+
+def printed_lines(locator) -> list[str]:
+    return [line.strip() for line in locator.inner_text().strip().splitlines() if line.strip()]
+
+
+def expected_lines(value, chain) -> list[str]:
+    return [line.strip() for line in str(rounding.chain_rounding(value, chain)).splitlines()]
+
+
+def wait_for_lines(locator, expected, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while printed_lines(locator) != expected and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert printed_lines(locator) == expected
+
+
+@pytest.mark.browser
+@pytest.mark.engine
+def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    port, token = lab_server
+    SCREENSHOTS.mkdir(exist_ok=True)
+    new_value = 1.2  # 1.003 (the default) and 1.2 give different BF16 results after *3
+    assert expected_lines(new_value, "*3") != expected_lines(1.003, "*3")
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 1000})
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(120_000)
+            page.goto(lab.lab_url(port, token, f"lab/tree/{NOTEBOOK}"))
+            page.locator(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
+
+            run_all(page)
+            prompts = wait_for_run_all(page)
+            errors = page.locator(f"{PANEL} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            assert all(any(ch.isdigit() for ch in t) for t in prompts), (
+                f"run-all stopped: {prompts}\n" + "\n".join(errors.all_inner_texts())[-3000:])
+
+            # the chapter's figure (the BF16 grid) rendered as an image in the page
+            figure = page.locator(f"{PANEL} .jp-OutputArea-output img").first
+            figure.scroll_into_view_if_needed()
+            assert figure.evaluate("img => img.complete && img.naturalWidth > 100 && img.naturalHeight > 50")
+            figure.screenshot(path=str(SCREENSHOTS / "01_figure.png"))
+
+            # the live widget: its printed BF16 result follows the value typed into it
+            interact = page.locator(f"{PANEL} .widget-interact").first
+            output = interact.locator(".widget-output")
+            interact.scroll_into_view_if_needed()
+            wait_for_lines(output, expected_lines(1.003, "*3"))
+            page.screenshot(path=str(SCREENSHOTS / "01_widget_before.png"))
+            number = interact.locator("input[type='number']").first
+            number.fill(str(new_value))
+            number.press("Enter")
+            wait_for_lines(output, expected_lines(new_value, "*3"))
+            page.screenshot(path=str(SCREENSHOTS / "01_widget_after.png"))
+        finally:
+            browser.close()
