@@ -1,4 +1,4 @@
-# The two commands: `make run-all` (execute every notebook) and `make test`. Both set up first.
+# The two commands: `make run-all` (execute every notebook) and `make test` (`make test-fast`: no engine tests). Both set up first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,9 +14,21 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run-all test lab models bench grpo-sweep clean
+.PHONY: setup run-all readme test test-fast lab models bench grpo-sweep clean
 
+# The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
+# otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
+CHROMIUM ?= /usr/bin/chromium
 setup: $(STAMP)
+	@test -x $(CHROMIUM) || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian's chromium for the browser test (apt-get)"; \
+			{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+				|| echo "note: apt-get could not install chromium: tests/test_browser.py will be skipped"; \
+		else \
+			echo "note: no browser at $(CHROMIUM): tests/test_browser.py will be skipped." \
+			     "Install it with: sudo apt-get install chromium (Debian/Ubuntu), then make test"; \
+		fi; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,14 +43,26 @@ run-all: setup
 	mkdir -p notebooks/executed figures
 	@for nb in $(NOTEBOOKS); do \
 		echo "== $$nb"; \
-		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
+		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
 	done
+	$(PY) -m rla_lib.readme
 
+# The README's measured numbers, rewritten from the result tables under tables/ (run-all ends with it).
+readme: setup
+	$(PY) -m rla_lib.readme
+
+# Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
+PYTEST_ARGS ?=
 test: setup
-	$(VENV)/bin/pytest -q -rs tests
+	$(VENV)/bin/pytest -q -rs tests $(PYTEST_ARGS)
 
+# Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`).
+test-fast: setup
+	$(VENV)/bin/pytest -q -rs -m "not engine" tests $(PYTEST_ARGS)
+
+# JupyterLab on notebooks/ with the rla kernel, on 127.0.0.1:$$LAB_PORT (8888; the next free port if taken).
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks
+	$(PY) -m rla_lib.lab notebooks
 
 models: setup
 	$(PY) -m rla_lib.pretrain

@@ -26,14 +26,14 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rla_lib import align as rla  # noqa: E402
-from rla_lib.paths import MODELS_DIR  # noqa: E402
+from rla_lib import align as rla
+from rla_lib.paths import MODELS_DIR
+from rla_lib.report import save_table
 
 
 # name: (regions, options), or None for stock
@@ -113,7 +113,7 @@ def use_config(model: torch.nn.Module, config) -> None:
         rla.align(model, regions, **options)
 
 
-def bench_shape(name: str, rounds: int, warmup: int, device: str) -> None:
+def bench_shape(name: str, rounds: int, warmup: int, device: str) -> pd.DataFrame:
     build, batch, seq = SHAPES[name]
     torch.manual_seed(0)
     label, model = build(device)
@@ -147,7 +147,15 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str) -> None:
     print(f"\n{name}: {label}, batch {batch}x{seq} tokens, BF16, {threads}, {rounds} rounds")
     header = ["config", "wall", "vs stock", "CPU", "vs stock", "CPU best", "vs stock", "memory", "vs stock"]
     print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>11}{:>10}".format(*header))
+    rows = []
     for config in CONFIGS:
+        rows.append(dict(shape=name, model=label, tokens=f"{batch}x{seq}", config=config, rounds=rounds,
+                         wall_ms=1e3 * statistics.median(wall[config]),
+                         wall_ratio=statistics.median(a / b for a, b in zip(wall[config], wall["stock"])),
+                         cpu_ms=1e3 * statistics.median(cpu[config]),
+                         cpu_ratio=statistics.median(a / b for a, b in zip(cpu[config], cpu["stock"])),
+                         cpu_best_ratio=min(cpu[config]) / min(cpu["stock"]),
+                         memory_mib=memory[config] / 2**20, memory_ratio=memory[config] / memory["stock"]))
         row = [config]
         for times in (wall, cpu):
             row += [f"{statistics.median(times[config]) * 1e3:.0f} ms"]
@@ -155,6 +163,7 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str) -> None:
         row += [f"{min(cpu[config]) * 1e3:.0f} ms", pct(min(cpu[config]) / min(cpu["stock"]))]
         row += [f"{memory[config] / 2**20:.1f} MiB", pct(memory[config] / memory["stock"])]
         print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>11}{:>10}".format(*row))
+    return pd.DataFrame(rows)
 
 
 def main() -> None:
@@ -165,14 +174,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                        help="write tables/bench_align_overhead.csv (the README's overhead table reads it)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.no_fused:
         for name in [name for name, config in CONFIGS.items() if config and config[1].get("fused")]:
             del CONFIGS[name]
-    for name in SHAPES if args.shape == "both" else [args.shape]:
-        bench_shape(name, args.rounds, args.warmup, args.device)
+    shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+    table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device) for name in shapes])
+    if args.save:
+        save_table(table.set_index(["shape", "config"]), "bench_align_overhead", vars(args) | {"threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ Prints the median over steps after the first (warm-up) step. Target on 2 CPU cor
 import argparse
 import tempfile
 
+import pandas as pd
+import torch
+
 from rla_lib import grpo
+from rla_lib.report import save_table
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,3 +37,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     for p in parts:
         print(f"  {p[2:]:>8}: {med[p]:.3f} s")
     print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens)")
+    row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean())
+    name = f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
+    save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

@@ -6,7 +6,8 @@
 Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes).
 When all are done, one file collects the per-step histories of every run,
 `data/grpo_sweep/histories.csv.gz` (shipped, so notebook 06 can show the search without re-running it),
-written atomically. The runs are ordered so that an interrupted search has whole seeds done first.
+written atomically, with a sidecar `histories.json`: when it was written, from which commit, the grid.
+For the file collected before sidecars existed, `--sidecar-from-git` rebuilds its sidecar from git. The runs are ordered so that an interrupted search has whole seeds done first.
 
 The grid, for the embedded qwen3-tiny (16 prompts x 8 samples, 32 tokens, 2 minibatches, clip 0.2):
 - lr 3e-4 (15x the notebook's default), 300 steps, seeds 0-2: default BF16, all three aligned,
@@ -19,8 +20,11 @@ The grid, for the embedded qwen3-tiny (16 prompts x 8 samples, 32 tokens, 2 mini
 """
 
 import argparse
+import datetime
+import json
+import subprocess
 
-from rla_lib.grpo import CONFIGURATIONS
+from rla_lib.grpo import CONFIGURATIONS, sweep_sidecar_path
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write
 
 OUT = RESULTS_DIR / "grpo_sweep"
@@ -50,12 +54,51 @@ def planned_runs(only=None, seeds=None, configs=None):
                 yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **CONFIGURATIONS[name], seed=seed)
 
 
-def collect(runs) -> "pd.DataFrame":
+def grid() -> dict:
+    """The search's settings, as the sidecar records them."""
+    names = dict.fromkeys(name for *_, names in GRID for name in names)
+    return dict(common=COMMON, grid=[dict(tag=tag, settings=settings, seeds=list(seeds), configs=list(names))
+                                     for tag, settings, seeds, names in GRID],
+                configurations={name: CONFIGURATIONS[name] for name in names})
+
+
+def write_sidecar(written: str, commit: str | None, runs: int, note: str | None = None) -> None:
+    """`histories.json` next to the shipped histories: when they were collected, from which commit, the grid."""
+    meta = dict(file=SHIPPED.name, written=written, commit=commit, runs=runs, **grid()) | ({"note": note} if note else {})
+    atomic_write(sweep_sidecar_path(SHIPPED), lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=list) + "\n"))
+
+
+def git(*args) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def sidecar_from_git() -> None:
+    """The sidecar of a histories file collected before sidecars existed: date and commit of the commit that
+    last changed it (a54ec1f for the shipped one, whose grid is the one above)."""
     import pandas as pd
 
-    frames = [pd.read_csv(OUT / run_id / "history.csv").assign(run=run_id, **labels)
-              for run_id, labels, _ in runs if (OUT / run_id / "history.csv").exists()]
-    return pd.concat(frames, ignore_index=True)
+    path = str(SHIPPED.relative_to(ROOT))
+    written, commit = git("log", "-1", "--format=%cI", "--", path), git("log", "-1", "--format=%h", "--", path)
+    write_sidecar(written, commit, runs=pd.read_csv(SHIPPED)["run"].nunique(),
+                  note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
+
+
+def collect(runs) -> tuple["pd.DataFrame", list[str]]:
+    """Histories of every planned run: from `results/grpo_sweep/` where it ran here, else kept from the shipped
+    file (so re-running one arm, e.g. `--configs "default BF16, 3-bit rollouts"`, replaces just that arm).
+    Returns the histories and the ids of the runs taken from `results/`."""
+    import pandas as pd
+
+    shipped = pd.read_csv(SHIPPED) if SHIPPED.exists() else pd.DataFrame(columns=["run"])
+    frames, fresh = [], []
+    for run_id, labels, _ in runs:
+        path = OUT / run_id / "history.csv"
+        if path.exists():
+            frames.append(pd.read_csv(path).assign(run=run_id, **labels))
+            fresh.append(run_id)
+        elif run_id in set(shipped["run"]):
+            frames.append(shipped[shipped["run"] == run_id])
+    return pd.concat(frames, ignore_index=True), fresh
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
@@ -65,7 +108,11 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--configs", nargs="*", help=f"configurations to run (default: each tag's own; from {CONFIGS})")
     parser.add_argument("--shard", default="0/1", help="K/N: run every N-th planned run starting at K (parallel processes)")
     parser.add_argument("--collect-only", action="store_true", help="just rebuild the shipped file from finished runs")
+    parser.add_argument("--sidecar-from-git", action="store_true", help="only write the shipped file's sidecar from git history")
     args = parser.parse_args()
+    if args.sidecar_from_git:
+        sidecar_from_git()
+        raise SystemExit(f"wrote {sweep_sidecar_path(SHIPPED).relative_to(ROOT)}")
 
     from rla_lib import grpo
 
@@ -75,11 +122,17 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))[k::n]
     todo = [] if args.collect_only else [(grpo.GRPOConfig(**settings), OUT / run_id) for run_id, _, settings in runs]
     for i, (cfg, out, h) in enumerate(grpo.run_many(todo, progress=False), 1):  # engines shared across runs
-        s = grpo.summarize(h)
+        s = grpo.summarize(h, eval_prompts=cfg.eval_prompts)
         print(f"[{i}/{len(todo)}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
               f"{s['eval acc last']:.3f}   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)
 
     every = list(planned_runs())
-    data = collect(every)
+    data, fresh = collect(every)
     atomic_write(SHIPPED, lambda tmp: data.to_csv(tmp, index=False, float_format="%.6g", compression="gzip"))
+    from rla_lib.report import git_commit
+
+    kept = data["run"].nunique() - len(fresh)
+    write_sidecar(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit(), data["run"].nunique(),
+                  note=None if not kept else f"{len(fresh)} runs collected from results/grpo_sweep now ({', '.join(fresh)}); "
+                  f"{kept} kept from the previously shipped file (see git history of histories.json)")
     print(f"{data['run'].nunique()} of {len(every)} runs collected in {SHIPPED.relative_to(ROOT)}")

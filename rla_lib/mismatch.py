@@ -1,18 +1,27 @@
 """One measurement run: vLLM samples responses, then every side scores the same tokens.
 
-    run = measure("qwen3-tiny", modes=("compiled", "eager"), n_prompts=128, n_samples=8)
-    run.pairs("vllm:compiled", "hf:bf16:none")       # input for rla_lib.kl.compare
+    run = measure("qwen3-tiny", modes=("compiled", "eager"))           # STANDARD sizes: 512 prompts x 2
+    run.estimate("vllm:compiled", "hf:bf16:none", "exact")              # a kl.Estimate, prompt-level CI
+    run.difference("vllm:compiled", "hf:bf16:none", "hf:bf16:rope+swiglu+residual_norm")   # paired change
     run.save(path); MismatchRun.load(path)
 
 Sides are named `vllm:<mode>` (the engine), `hf:bf16:<config>` (Transformers BF16, stock when the
 config is `none`, else aligned with those regions) and `hf:fp32` (Transformers FP32). Only response
 tokens are kept: they are what a policy-gradient update uses. Full next-token distributions are kept
-where the vocabulary is small; otherwise only the scored tokens' logprobs.
+where the vocabulary is small; otherwise only the scored tokens' logprobs. Each sequence keeps the
+index of the held-out prompt it answers: the prompt is the unit of every error bar (`rla_lib.kl`).
+
+One shared measurement: `measure` caches in layers, so notebooks asking for the same (model, engine
+mode, training configuration) get the same arrays. The sampled responses are keyed by the model, the
+scoring code, the sampling mode (the first of `modes`) and the sizes; each engine mode's scores and
+each training side are then separate files in that folder, keyed by what they depend on (a training
+side by its regions and options, not its name). A later call scores only what is missing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -23,9 +32,17 @@ import numpy as np
 from . import kl, task
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR, atomic_write
+from .progress import bar
 from .scoring import response_tokens, token_logprobs
 
 FULL_VOCAB_LIMIT = 4096
+# Default sizes for a trustworthy headline: many distinct prompts (the whole held-out split, the
+# independent unit of the error bars) and two responses each, rather than many samples of few prompts.
+STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
+# Which regions each rla_lib.align option acts on (an option is inert without its regions): two
+# configurations that differ only in inert options score identically, so they share a name and a cache file.
+OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "norm_weight": ("residual_norm",),
+                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu")}
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -39,13 +56,40 @@ def fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def config_name(regions) -> str:
-    return "+".join(regions) if regions else "none"
+def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:
+    """(regions in `REGIONS` order, only the options that differ from their default and act on those regions)."""
+    from .align import REGIONS, AlignOptions
+
+    regions = tuple(regions)
+    unknown = sorted(set(regions) - set(REGIONS)) + sorted(set(options or {}) - set(OPTION_REGIONS))
+    if unknown:
+        raise ValueError(f"unknown region(s) or option(s) {unknown}")
+    defaults = AlignOptions()
+    kept = {k: v for k, v in sorted((options or {}).items())
+            if v != getattr(defaults, k) and set(OPTION_REGIONS[k]) & set(regions)}
+    return tuple(r for r in REGIONS if r in regions), kept
+
+
+def config_name(regions, **options) -> str:
+    """A training configuration's name: regions joined by '+' ('none' for stock), then '|option=value' for
+    each non-default option that acts on those regions (`config_name(("rope",), rope_cos_sin="bf16")`)."""
+    name = "+".join(regions) if regions else "none"
+    _, kept = canonical_config(regions, options) if options else ((), {})
+    return name + "".join(f"|{k}={v}" for k, v in kept.items())
 
 
 def all_configs(regions) -> list[tuple[str, ...]]:
     """Every subset of the regions, smallest first: the rows of the paper's Table 1."""
     return [c for r in range(len(regions) + 1) for c in combinations(regions, r)]
+
+
+def paper_configs() -> dict[str, tuple[tuple[str, ...], dict]]:
+    """The paper's Table 1 rows (every subset of the regions), RoPE in both cos/sin readings:
+    FP32 (this project's reading of the paper) and BF16 (vLLM's cos/sin cache)."""
+    from .align import REGIONS
+
+    configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
+    return configs | {config_name(c, rope_cos_sin="bf16"): (c, {"rope_cos_sin": "bf16"}) for c in all_configs(REGIONS) if "rope" in c}
 
 
 @dataclass
@@ -55,9 +99,15 @@ class MismatchRun:
     sequences: list[list[int]]
     starts: list[int]  # index into a sequence's per-position scores where its response begins
     rewards: np.ndarray
+    prompts: np.ndarray  # index (into the held-out split) of the prompt each sequence answers: the cluster
     token_lp: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens,)
     full: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens, vocab)
     meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.prompts = np.asarray(self.prompts, dtype=np.int64)
+        if len(self.prompts) != len(self.sequences):
+            raise ValueError(f"one prompt index per sequence: {len(self.prompts)} for {len(self.sequences)} sequences")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -97,9 +147,29 @@ class MismatchRun:
         ]
 
     def per_sequence_sums(self, inference: str, training: str, estimator: str):
-        """(sums, counts) of an estimator's per-token terms per sequence: what bootstraps resample."""
+        """(sums, counts) of an estimator's per-token terms per sequence: what bootstraps resample
+        (together with `prompts`, the cluster of each sequence)."""
         t = [kl.terms(estimator, p) for p in self.pairs(inference, training)]
         return np.array([x.sum() for x in t]), np.array([len(x) for x in t])
+
+    def estimate(self, inference: str, training: str, estimator: str, n_boot: int = 2000, seed: int = 0) -> kl.Estimate:
+        """One estimator's mismatch between two sides, with prompt-level error bars."""
+        return kl.estimate([kl.terms(estimator, p) for p in self.pairs(inference, training)], clusters=self.prompts,
+                           n_boot=n_boot, seed=seed)
+
+    def difference(self, inference: str, a: str, b: str, estimator: str = "exact", n_boot: int = 2000,
+                   seed: int = 0) -> kl.Difference:
+        """The paired change in mismatch against `inference` from training side a to side b
+        (e.g. a="hf:bf16:none", b="hf:bf16:rope+swiglu+residual_norm"), prompts resampled together."""
+        a_sums, counts = self.per_sequence_sums(inference, a, estimator)
+        b_sums, _ = self.per_sequence_sums(inference, b, estimator)
+        return kl.paired_difference(a_sums, b_sums, counts, clusters=self.prompts, n_boot=n_boot, seed=seed)
+
+    def tokens_digest(self) -> str:
+        """Identifies the sampled tokens: a cached side is only valid for the tokens it scored."""
+        h = hashlib.sha1(np.concatenate([np.asarray(s, np.int64) for s in self.sequences]).tobytes())
+        h.update(np.array([len(s) for s in self.sequences] + list(self.starts), np.int64).tobytes())
+        return h.hexdigest()[:16]
 
     # ---- persistence (atomic) ------------------------------------------------------------
     def save(self, path: Path) -> Path:
@@ -107,100 +177,243 @@ class MismatchRun:
         lengths = np.array([len(s) for s in self.sequences])
         return atomic_write(path, lambda tmp: np.savez_compressed(
             tmp, ids=np.concatenate(self.sequences), seq_lengths=lengths, starts=np.array(self.starts),
-            rewards=self.rewards, meta=np.array(json.dumps(self.meta)), **arrays))
+            rewards=self.rewards, prompts=self.prompts, meta=np.array(json.dumps(self.meta)), **arrays))
 
     @classmethod
     def load(cls, path: Path) -> "MismatchRun":
-        z = np.load(path)
-        bounds = np.concatenate([[0], np.cumsum(z["seq_lengths"])])
-        seqs = [z["ids"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
-        run = cls(seqs, z["starts"].tolist(), z["rewards"], meta=json.loads(str(z["meta"])))
-        for key in z.files:
-            if key.startswith("lp::"):
-                run.token_lp[key[4:]] = z[key]
-            elif key.startswith("full::"):
-                run.full[key[6:]] = z[key]
+        with np.load(path) as z:
+            if "prompts" not in z.files:
+                raise ValueError(f"{path} was saved without the prompt of each sequence (an older rla_lib), so its error "
+                                 "bars cannot resample prompts: delete this cache file and rerun the measurement.")
+            bounds = np.concatenate([[0], np.cumsum(z["seq_lengths"])])
+            seqs = [z["ids"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+            run = cls(seqs, z["starts"].tolist(), z["rewards"], z["prompts"], meta=json.loads(str(z["meta"])))
+            for key in z.files:
+                if key.startswith("lp::"):
+                    run.token_lp[key[4:]] = z[key]
+                elif key.startswith("full::"):
+                    run.full[key[6:]] = z[key]
         return run
 
 
-def sample_responses(engine, n_prompts: int, n_samples: int, max_tokens: int, temperature: float, seed: int):
-    """Responses to held-out task prompts, sampled by the engine: sequences, response starts, rewards."""
-    problems = task.load_split()[:n_prompts]
-    groups = engine.sample([p.prompt for p in problems], n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    samples = [(p, s) for p, g in zip(problems, groups) for s in g if s.response_ids]
-    return ([s.ids for _, s in samples], [len(s.prompt_ids) - 1 for _, s in samples],
-            np.array([task.reward(p, s.text) for p, s in samples]))
+# ---- the two cache layers: sampled responses, then one file per scored side --------------------
+def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
+               temperature: float, seed: int) -> dict:
+    """What the sampled responses depend on (the folder of every side scored on them)."""
+    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), sampled_by=sampled_by, n_prompts=n_prompts,
+                n_samples=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
-def score_training_side(run: MismatchRun, model, side: str, full: bool) -> None:
-    res = token_logprobs(model, run.sequences, full_vocab=full)
+def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
+    if cache_dir is None:
+        return None
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{Path(key['model']).name}-{digest}"
+
+
+def side_file(folder: Path | None, dtype: str, regions=(), options=None) -> Path | None:
+    """The cache file of a training side: named by what it computes (dtype, canonical regions and options)."""
+    if folder is None:
+        return None
+    regions, options = canonical_config(regions, options)
+    digest = hashlib.sha1(json.dumps([dtype, regions, options], sort_keys=True).encode()).hexdigest()[:10]
+    return folder / f"hf-{dtype}-{config_name(regions)}-{digest}.npz"
+
+
+def load_side(run: MismatchRun, side: str, path: Path | None) -> bool:
+    """Put a cached side into `run` if `path` holds scores of exactly these tokens; False otherwise."""
+    if path is None or not path.exists():
+        return False
+    with np.load(path) as z:
+        if str(z["tokens"]) != run.tokens_digest() or len(z["lp"]) != run.lengths.sum():
+            return False  # scored on other tokens (samples regenerated): score again
+        run.token_lp[side] = z["lp"]
+        if "full" in z.files:
+            run.full[side] = z["full"]
+    return True
+
+
+def save_side(run: MismatchRun, side: str, path: Path | None) -> None:
+    if path is None:
+        return
+    arrays = dict(lp=run.token_lp[side]) | ({"full": run.full[side]} if side in run.full else {})
+    atomic_write(path, lambda tmp: np.savez_compressed(tmp, tokens=np.array(run.tokens_digest()), **arrays))
+
+
+def load_or_score_side(run: MismatchRun, side: str, path: Path | None, score) -> bool:
+    """Load `side` from `path`, or call `score(run, side)` (which adds it to run) and save it there.
+    Returns True when it was loaded from the cache."""
+    if load_side(run, side, path):
+        return True
+    score(run, side)
+    if side not in run.token_lp:
+        raise RuntimeError(f"the scorer did not add side {side!r}")
+    save_side(run, side, path)
+    return False
+
+
+def load_or_sample(folder: Path | None, sample) -> MismatchRun:
+    """The sampled responses (no sides) from `folder`, or `sample()` saved there."""
+    path = None if folder is None else folder / "samples.npz"
+    if path is not None and path.exists():
+        return MismatchRun.load(path)
+    run = sample()
+    if path is not None:
+        MismatchRun(run.sequences, run.starts, run.rewards, run.prompts, meta=run.meta).save(path)
+    return run
+
+
+def copy_side(run: MismatchRun, source: str, side: str) -> None:
+    """Another name for the same computation (same regions and options): the same arrays."""
+    run.token_lp[side] = run.token_lp[source]
+    if source in run.full:
+        run.full[side] = run.full[source]
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def sample_responses(engine, n_prompts: int, n_samples: int, max_tokens: int, temperature: float, seed: int,
+                     progress: bool | None = None):
+    """Responses to held-out task prompts, sampled by the engine: sequences, response starts, rewards, and
+    the prompt (index into the held-out split) each answers."""
+    problems = task.load_split()
+    if n_prompts > len(problems):
+        raise ValueError(f"n_prompts={n_prompts}, but the held-out split has {len(problems)} problems")
+    problems = problems[:n_prompts]
+    forced = {} if progress is None else {"progress": progress}  # None: the engine's default (bars in a kernel)
+    groups = engine.sample([p.prompt for p in problems], n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                           **forced)
+    samples = [(i, p, s) for i, (p, g) in enumerate(zip(problems, groups)) for s in g if s.response_ids]
+    return ([s.ids for _, _, s in samples], [len(s.prompt_ids) - 1 for _, _, s in samples],
+            np.array([task.reward(p, s.text) for _, p, s in samples]), np.array([i for i, _, _ in samples], np.int64))
+
+
+def _temperature_kwargs(temperature: float) -> dict:
+    """Scorers get the sampling temperature only when it is not 1 (then both sides must accept it)."""
+    if temperature == 1.0:
+        return {}
+    from .engine import Engine
+
+    missing = [name for name, f in (("Engine.score", Engine.score), ("scoring.token_logprobs", token_logprobs))
+               if "temperature" not in inspect.signature(f).parameters]
+    if missing:
+        raise NotImplementedError(
+            f"temperature={temperature}: {' and '.join(missing)} score at temperature 1 only, so neither side would score "
+            "the distribution the engine sampled from (logits / T); sample at temperature 1 until both scorers take it")
+    return {"temperature": temperature}
+
+
+def score_training_side(run: MismatchRun, model, side: str, full: bool, temperature: float = 1.0) -> None:
+    res = token_logprobs(model, run.sequences, full_vocab=full, **_temperature_kwargs(temperature))
     run.add(side, [r[0] for r in res] if full else res, [r[1] for r in res] if full else None)
+
+
+def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress) -> MismatchRun:
+    """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own)."""
+    from .engine import Engine
+
+    t_kwargs = _temperature_kwargs(temperature)
+    for mode in bar(modes, progress, desc="vLLM modes", leave=False):
+        side, path = f"vllm:{mode}", None if folder is None else folder / f"vllm-{mode}.npz"
+        if run is not None and load_side(run, side, path):
+            continue
+        with Engine(model, mode=mode, seed=key["seed"]) as engine:
+            if run is None:  # the first mode samples
+                run = load_or_sample(folder, lambda: MismatchRun(
+                    *sample_responses(engine, key["n_prompts"], key["n_samples"], key["max_tokens"], temperature, key["seed"],
+                                      progress),
+                    meta=dict(key)))
+
+            def score(run, side):
+                scores = engine.score(run.sequences, full_vocab=full, progress=progress, **t_kwargs)
+                run.add(side, [s.token_logprobs for s in scores], [s.full for s in scores] if full else None)
+
+            load_or_score_side(run, side, path, score)
+    return run
+
+
+def _score_training_sides(run, model, sides: dict, folder, full, temperature, progress=None) -> None:
+    """Add every training side; the model of a dtype is loaded only if some side of it must be scored."""
+    from .align import align
+
+    loaded, done = {}, {}
+    for side, (dtype, regions, options) in bar(sides.items(), progress, total=len(sides), desc="training sides", leave=False):
+        path = side_file(folder, dtype, regions, options)
+        identity = (dtype, json.dumps(canonical_config(regions, options)))
+        if identity in done:
+            copy_side(run, done[identity], side)
+            continue
+
+        def score(run, side):
+            if dtype not in loaded:
+                loaded[dtype] = load_model(model, dtype=dtype)
+            handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
+            try:
+                score_training_side(run, loaded[dtype], side, full, temperature)
+            finally:
+                if handle is not None:
+                    handle.undo()
+
+        load_or_score_side(run, side, path, score)
+        done[identity] = side
 
 
 def measure(
     model: str = "qwen3-tiny",
     modes=("compiled", "eager"),
     training_configs: dict | None = None,
-    n_prompts: int = 128,
-    n_samples: int = 8,
-    max_tokens: int = 32,
+    n_prompts: int = STANDARD["n_prompts"],
+    n_samples: int = STANDARD["n_samples"],
+    max_tokens: int = STANDARD["max_tokens"],
     temperature: float = 1.0,
-    seed: int = 0,
+    seed: int = STANDARD["seed"],
     fp32_reference: bool = True,
     cache_dir: Path | None = RESULTS_DIR / "mismatch",
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> MismatchRun:
     """Sample with the first engine mode, score with every mode and every training configuration.
 
     training_configs maps a name to (regions, align options); by default the 8 subsets of the three
-    regions with the paper's options. With cache_dir set, a finished run is saved under a key of all
-    arguments, the checkpoint and the scoring code, and loaded instead of recomputed.
+    regions with the paper's options. With cache_dir set, the sampled responses, each engine mode's
+    scores and each training side are cached separately (see the module docstring): a call with other
+    modes or configurations reuses what is there and scores only what is missing. Two names with the
+    same (regions, options) get the same arrays. cache_dir=None: no caching.
+    temperature != 1: both the engine and Transformers score softmax(logits / T), the distribution the
+    engine sampled from; NotImplementedError where a scorer does not take a temperature.
+    progress: bars over the engine modes and training sides, and vLLM's own while it samples and scores
+    (None: only in a Jupyter kernel, see `rla_lib.progress`).
     """
-    from .align import REGIONS, align
+    from .align import REGIONS
 
+    _temperature_kwargs(temperature)  # fail before any engine starts
     spec = resolve_model(model)
     if training_configs is None:
         training_configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
-    key_src = json.dumps(dict(model=str(spec.path), modes=list(modes), configs={k: [list(v[0]), v[1]] for k, v in training_configs.items()},
-                              n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens, temperature=temperature,
-                              seed=seed, fp32=fp32_reference, fingerprint=fingerprint(spec.path)), sort_keys=True)
-    cache = Path(cache_dir) / f"{spec.path.name}-{hashlib.sha1(key_src.encode()).hexdigest()[:12]}.npz" if cache_dir else None
-    if cache is not None and cache.exists():
-        return MismatchRun.load(cache)
-
-    from .engine import Engine
-
+    key = sample_key(spec.path, f"vllm:{modes[0]}", n_prompts, n_samples, max_tokens, temperature, seed)
+    folder = cache_folder(cache_dir, key)
     full = spec.vocab_size <= FULL_VOCAB_LIMIT
-    run = None
-    for i, mode in enumerate(modes):
-        with Engine(model, mode=mode, seed=seed) as engine:
-            if run is None:
-                seqs, starts, rewards = sample_responses(engine, n_prompts, n_samples, max_tokens, temperature, seed)
-                run = MismatchRun(seqs, starts, rewards, meta=json.loads(key_src) | {"sampled_by": f"vllm:{mode}"})
-            scores = engine.score(run.sequences, full_vocab=full, progress=progress)
-            run.add(f"vllm:{mode}", [s.token_logprobs for s in scores], [s.full for s in scores] if full else None)
-    train = load_model(model, dtype="bfloat16")
-    for name, (regions, options) in training_configs.items():
-        handle = align(train, tuple(regions), **options)
-        score_training_side(run, train, f"hf:bf16:{name}", full)
-        handle.undo()
+    samples = None if folder is None else folder / "samples.npz"
+    run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
+    run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress)
+    sides = {f"hf:bf16:{name}": ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
     if fp32_reference:
-        score_training_side(run, load_model(model, dtype="float32"), "hf:fp32", full)
-    if cache is not None:
-        run.save(cache)
+        sides["hf:fp32"] = ("float32", (), {})
+    _score_training_sides(run, model, sides, folder, full, temperature, progress)
+    run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
+                                 "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}
     return run
 
 
 def table(run: MismatchRun, inference: str, trainings, estimators=("sampled", "k3", "exact"), n_boot: int = 2000, seed: int = 0):
-    """One row per training side: each estimator's value, se and 95% CI (1e-4), tokens."""
+    """One row per training side: each estimator's value, se and 95% CI (1e-4, prompt-level), tokens, prompts."""
     import pandas as pd
 
     rows = []
     for side in trainings:
-        est = kl.compare(run.pairs(inference, side), estimators=estimators, n_boot=n_boot, seed=seed)
+        est = kl.compare(run.pairs(inference, side), estimators=estimators, clusters=run.prompts, n_boot=n_boot, seed=seed)
         row = {"training side": side}
         for e, v in est.items():
             row |= {f"{e}": v.value, f"{e} se": v.se, f"{e} ci_low": v.ci_low, f"{e} ci_high": v.ci_high}
-        row["tokens"] = next(iter(est.values())).n_tokens
+        first = next(iter(est.values()))
+        row |= {"tokens": first.n_tokens, "prompts": first.n_clusters}
         rows.append(row)
     return pd.DataFrame(rows).set_index("training side")

@@ -38,6 +38,20 @@ multiples of 2**-16 (everything `rounding_position` returns) are histogrammed fi
 values cost one `bincount`. Note that the floor assumes independent samples: duplicated values (for
 example the same prefix scored twice) are not independent; `distinct_prefix_mask` removes those.
 
+`rounding_clustering(values)` is the score of a location's values, computed over the values that
+actually round only. A value already on the BF16 grid (position 0) has no rounding error at all: it
+cannot contribute a systematic error, and counting it would make a location look clustered for the
+trivial reason that nothing happens there (q * cos with cos = 1.0 exactly, a product with zero, a
+copy). So it is excluded, and its share is reported separately (`exact_frac`), as is the share of
+exact ties (`tie_frac`, position 0.5): a tie does round, but round-to-nearest-even sends it to
+whichever neighbour is even, up for some values and down for others, so ties add no direction by
+themselves. `mean_error` is the net signed error in ulps; `mean_error_se` its spread if the distinct
+values' errors were independent and uniform on [-1/2, 1/2] (distinct_floor / sqrt(12)). The floors
+(`floor` = 1/sqrt(n), `distinct_floor`) are computed on the same filtered sample; `score_all_values`
+keeps the earlier score over every value, for comparison only. A sample with no value to round gives
+NaN scores and floors (`n = 0`, `exact_frac = 1`) rather than an error, so a table of many locations
+can hold it.
+
 Part 3, where the stock Transformers model rounds (Qwen2/Qwen3, BF16).
 
 `capture_prerounding(model, input_ids, attention_mask)` runs the stock model once, records each decoder
@@ -53,6 +67,14 @@ differences (more than 99.9% of elements equal). For attention with "sdpa" on CP
 BF16 flash kernel, which rounds the unnormalised probabilities to BF16 before multiplying by V (a plain
 FP32 recomputation would agree on only ~90% of elements); elsewhere it is the plain FP32 recomputation.
 The final `model.norm` is not captured (it is not part of a decoder layer).
+
+RoPE at other positions: the embedded models have 64 positions and the task sequences ~40 tokens, so
+`capture_prerounding` sees RoPE only where cos is close to 1. `capture_rope_at_positions(model, ids,
+mask, positions)` takes the q/k the stock model feeds to RoPE (`capture_rope_inputs`: after the
+projections and Qwen3's Q/K norms) and rotates them at other positions (`rope_prerounding`), e.g. each
+token at a position drawn uniformly from [0, 4096), with the model's own `rotary_emb` (its rope_theta,
+BF16 cos/sin) and the stock arithmetic: the products and sums a long-context forward would round for
+those q/k values (with "task" it equals `capture_prerounding`'s RoPE locations bitwise).
 
 Part 4, small demonstrations for the notebooks: a chain of pointwise ops evaluated unfused (rounded after
 every op) and fused (rounded once), region outputs of one decoder layer, and how a change in one region
@@ -266,10 +288,67 @@ def fourier_clustering(positions, n_coeffs: int = N_COEFFS) -> float:
     return float(torch.sqrt((c.abs() ** 2).mean()))
 
 
-def clustering_score(values) -> float:
-    """`fourier_clustering(rounding_position(values))` of FP32 values (finite ones only)."""
+@dataclass(frozen=True)
+class RoundingClustering:
+    """The clustering of one sample of FP32 values, measured over the values that actually round."""
+
+    n_all: int  # finite values in the sample
+    n: int  # values not on the BF16 grid: the sample every other field is computed on
+    exact_frac: float  # share of n_all already BF16 (no rounding error), excluded from the score
+    tie_frac: float  # share of n_all exactly halfway (rounded to the even neighbour), part of the score
+    score: float  # fourier_clustering of the n values' positions (NaN when n = 0)
+    floor: float  # 1/sqrt(n): the score of n independent uniform positions
+    distinct: int  # distinct FP32 values among the n
+    distinct_floor: float  # the score if only the distinct values had independent uniform positions
+    score_without_ties: float  # the score once the ties are removed too
+    mean_error: float  # mean of (round(x) - x) / ulp over the n values: the net direction, ~0 if none
+    mean_error_se: float  # its standard error if the distinct values' errors were independent uniform
+    score_all_values: float  # the earlier measure, exact values counted too: for comparison only
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _signed_error_ulp(v: torch.Tensor) -> torch.Tensor:
+    """(round_bf16(v) - v) / ulp, exact: both are within one BF16 step, and ulp is a power of two."""
+    return ((round_bf16(v).float() - v) / bf16_ulp(v)).double()
+
+
+def rounding_clustering(values, n_coeffs: int = N_COEFFS) -> RoundingClustering:
+    """Clustering of the rounding positions of the finite FP32 `values` that are not already BF16.
+
+    See the module docstring (Part 2): exact values are excluded and counted in `exact_frac`, ties are
+    kept and counted in `tie_frac`, floors are those of the filtered sample, and a sample with no value
+    to round gives NaN scores (not an error) with `exact_frac = 1`.
+    """
     v = _as_fp32(values).reshape(-1)
-    return fourier_clustering(rounding_position(v[torch.isfinite(v)]))
+    v = v[torch.isfinite(v)]
+    n_all = v.numel()
+    if n_all == 0:
+        raise ValueError("no finite values given.")
+    pos = rounding_position(v)
+    score_all_values = fourier_clustering(pos, n_coeffs)
+    rounds = pos != 0
+    ties = pos == 0.5
+    exact_frac, tie_frac = float((~rounds).double().mean()), float(ties.double().mean())
+    v, pos, ties = v[rounds], pos[rounds], ties[rounds]
+    nan = float("nan")
+    if v.numel() == 0:
+        return RoundingClustering(n_all, 0, exact_frac, tie_frac, nan, nan, 0, nan, nan, nan, nan, score_all_values)
+    distinct, distinct_floor = distinct_value_floor(v)
+    without_ties = fourier_clustering(pos[~ties], n_coeffs) if bool((~ties).any()) else nan
+    return RoundingClustering(n_all, v.numel(), exact_frac, tie_frac, fourier_clustering(pos, n_coeffs),
+                              uniform_floor(v.numel()), distinct, distinct_floor, without_ties,
+                              float(_signed_error_ulp(v).mean()), distinct_floor / math.sqrt(12.0), score_all_values)
+
+
+def clustering_score(values) -> float:
+    """The clustering score of the FP32 `values` that actually round (`rounding_clustering(values).score`).
+
+    Values already on the BF16 grid are not counted (they have no rounding error); for the old score over
+    every value, use `fourier_clustering(rounding_position(values))`.
+    """
+    return rounding_clustering(values).score
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,8 +451,10 @@ def _attention_prerounding(attn, q, k, v, mask, fp32_recompute: torch.Tensor) ->
     PyTorch's CPU SDPA kernel for BF16 (flash attention on CPU) keeps the scores, the running max and the
     softmax denominator in FP32 but rounds the *unnormalised* probabilities exp(s - max) to BF16 before
     the product with V; its output is (P_bf16 @ V) / denominator, rounded once. For "sdpa" on CPU we
-    mirror that (bitwise at these sequence lengths, where the kernel uses a single KV block); for "eager"
-    (which rounds the normalised probabilities) and anything else we return the plain FP32 recomputation.
+    mirror that (bitwise at these sequence lengths, where the kernel uses a single KV block, on CPUs where
+    torch's exp is accurate; AVX2 builds use the approximate `fexp_u20`, relative error up to about 1e-4, so
+    a few probabilities round the other way there); for "eager" (which rounds the normalised probabilities)
+    and anything else we return the plain FP32 recomputation.
     """
     if attn.config._attn_implementation != "sdpa" or q.device.type != "cpu" or q.shape[2] > 256:
         return fp32_recompute
@@ -524,6 +605,102 @@ def capture_prerounding(model, input_ids, attention_mask=None, *, layers: Iterab
     return (fp32, bf16) if return_bf16 else fp32
 
 
+ROPE_LOCATIONS = ("rope.q_cos", "rope.q_sin", "rope.q_sum", "rope.k_cos", "rope.k_sin", "rope.k_sum")
+
+
+@torch.no_grad()
+def capture_rope_inputs(model, input_ids, attention_mask=None, *, layers: Iterable[int] | None = None):
+    """{layer: (q, k)}: the BF16 query and key the stock model feeds to RoPE, as (B, T, heads, head_dim).
+
+    That is after the projections and, for Qwen3, after the per-head Q/K norms; recorded with forward
+    hooks on one stock forward.
+    """
+    base = _check_capturable(model)
+    n_layers = len(base.layers)
+    wanted = list(range(n_layers)) if layers is None else sorted(set(layers))
+    if any(not 0 <= i < n_layers for i in wanted):
+        raise ValueError(f"layers must be in 0..{n_layers - 1}, got {wanted}.")
+    seen: dict = {}
+    handles = []
+    for i in wanted:
+        attn = base.layers[i].self_attn
+        has_qk_norm = hasattr(attn, "q_norm")  # Qwen3: per-head norms, output already (B, T, H, D)
+        for tag in ("q", "k"):
+            module = getattr(attn, f"{tag}_norm" if has_qk_norm else f"{tag}_proj")
+
+            def record(m, a, out, key=(i, tag), d=attn.head_dim, per_head=has_qk_norm):
+                seen[key] = out if per_head else out.unflatten(-1, (-1, d))
+
+            handles.append(module.register_forward_hook(record))
+    try:
+        base(input_ids=torch.as_tensor(input_ids), attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: (seen[i, "q"], seen[i, "k"]) for i in wanted}
+
+
+@torch.no_grad()
+def rope_prerounding(model, rope_inputs: dict, position_ids) -> dict:
+    """The FP32 RoPE products and sums (`ROPE_LOCATIONS`) the stock model would round if the tokens of
+    `rope_inputs` (`capture_rope_inputs`) sat at `position_ids` (B, T): {location: {layer: (B, T, H, D)}}.
+
+    cos and sin come from the model's own `rotary_emb` (its rope_theta and rope type) in BF16, as in the
+    stock forward, and the arithmetic is the stock `apply_rotary_pos_emb`'s, op by op (`_replay_rope`). The
+    q/k values are the captured ones: what changes with position is the rotation, not the values rotated.
+    """
+    base = _check_capturable(model)
+    modeling = sys.modules[type(base).__module__]
+    position_ids = torch.as_tensor(position_ids)
+    out = {name: {} for name in ROPE_LOCATIONS}
+    for layer, (q, k) in rope_inputs.items():
+        if tuple(position_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, the tokens {tuple(q.shape[:2])}.")
+        cos, sin = base.rotary_emb(q, position_ids)
+        rec = _Recorder()
+        _replay_rope(q.transpose(1, 2), cos, sin, "q", modeling.rotate_half, rec)
+        _replay_rope(k.transpose(1, 2), cos, sin, "k", modeling.rotate_half, rec)
+        for name in ROPE_LOCATIONS:
+            out[name][layer] = rec.fp32[name]
+    return out
+
+
+def task_positions(input_ids) -> torch.Tensor:
+    """(B, T) positions 0..T-1: what the stock forward uses for right-padded rows without position_ids."""
+    b, t = torch.as_tensor(input_ids).shape
+    return torch.arange(t).expand(b, t)
+
+
+def uniform_positions(shape, max_position: int, seed: int = 0) -> torch.Tensor:
+    """(B, T) positions drawn independently and uniformly from [0, max_position): tokens of long contexts."""
+    if max_position < 1:
+        raise ValueError(f"max_position must be at least 1, got {max_position}.")
+    return torch.randint(0, int(max_position), tuple(shape), generator=torch.Generator().manual_seed(seed))
+
+
+def positions_label(positions) -> str:
+    """'task' or 'uniform [0, 4096)': how a `positions` setting appears in tables."""
+    return "task" if positions == "task" else f"uniform [0, {int(positions)})"
+
+
+def capture_rope_at_positions(model, input_ids, attention_mask=None, positions="task", *, seed: int = 0,
+                              layers: Iterable[int] | None = None) -> dict:
+    """`rope_prerounding` of the task tokens' own q/k at `positions`: "task" (the positions the stock
+    forward uses: with "task" the result equals `capture_prerounding`'s RoPE locations bitwise), an int P
+    (each token at a position drawn uniformly from [0, P), seeded), or a (B, T) tensor of positions."""
+    rope_inputs = capture_rope_inputs(model, input_ids, attention_mask, layers=layers)
+    shape = torch.as_tensor(input_ids).shape
+    if isinstance(positions, str):
+        if positions != "task":
+            raise ValueError(f'positions must be "task", an int max position or a tensor, got {positions!r}.')
+        position_ids = task_positions(input_ids)
+    elif isinstance(positions, int):
+        position_ids = uniform_positions(shape, positions, seed)
+    else:
+        position_ids = torch.as_tensor(positions)
+    return rope_prerounding(model, rope_inputs, position_ids)
+
+
 def distinct_prefix_mask(input_ids, attention_mask=None) -> torch.Tensor:
     """(B, T) bool: real tokens whose prefix (tokens 0..t) has not appeared earlier in the batch.
 
@@ -562,12 +739,11 @@ def distinct_value_floor(values) -> tuple[int, float]:
 
 
 def clustering_table(captures: dict, token_mask=None, n_coeffs: int = N_COEFFS):
-    """One row per (location, layer): n values, clustering score, uniform floor (a pandas DataFrame).
+    """One row per (location, layer) with the fields of `rounding_clustering` (a pandas DataFrame).
 
-    `captures` is `capture_prerounding`'s output; `token_mask` (B, T) selects the tokens to count.
-    Also: `exact_frac` (share of values already BF16, position 0), `tie_frac` (share exactly halfway,
-    position 0.5), `distinct` (number of distinct FP32 values) and `distinct_floor` (see
-    `distinct_value_floor`), which explain most clustering.
+    `captures` is `capture_prerounding`'s (or `capture_rope_at_positions`') output; `token_mask` (B, T)
+    selects the tokens to count. Scores and floors are over the values that actually round (`n` of
+    `n_all`); `exact_frac` and `tie_frac` are shares of all `n_all` values.
     """
     import pandas as pd
 
@@ -576,26 +752,24 @@ def clustering_table(captures: dict, token_mask=None, n_coeffs: int = N_COEFFS):
         loc = LOCATION_BY_NAME[name]
         for layer, values in per_layer.items():
             v = values[torch.as_tensor(token_mask).bool()] if token_mask is not None else values
-            v = v.reshape(-1)
-            v = v[torch.isfinite(v)]
-            pos = rounding_position(v)
-            distinct, distinct_floor = distinct_value_floor(v)
-            rows.append(dict(location=name, group=loc.group, paper=loc.paper, exact=loc.exact, layer=layer, n=v.numel(),
-                             score=fourier_clustering(pos, n_coeffs), floor=uniform_floor(v.numel()),
-                             exact_frac=float((pos == 0).double().mean()), tie_frac=float((pos == 0.5).double().mean()),
-                             distinct=distinct, distinct_floor=distinct_floor))
+            stats = rounding_clustering(v, n_coeffs)
+            rows.append(dict(location=name, group=loc.group, paper=loc.paper, exact=loc.exact, layer=layer, **stats.as_dict()))
     return pd.DataFrame(rows)
 
 
 def summarize_clustering(table):
-    """Per location (rows in table order): median, min and max over layers of the score, the median floor,
-    `x_floor` = median / floor, and medians of n, distinct, distinct_floor, exact_frac and tie_frac."""
+    """Per location (rows in table order): median, min and max over layers of the score, medians of the
+    floors and of every other field, and `x_floor` = median / floor. Layers with nothing to round (NaN
+    score) are left out of the median and counted in `layers_without_rounding`."""
     g = table.groupby("location", sort=False)
     out = g.agg(group=("group", "first"), paper=("paper", "first"), layers=("layer", "count"),
+                layers_without_rounding=("score", lambda x: int(x.isna().sum())),
                 median=("score", "median"), min=("score", "min"), max=("score", "max"),
-                floor=("floor", "median"), n=("n", "median"), distinct=("distinct", "median"),
-                distinct_floor=("distinct_floor", "median"),
-                exact_frac=("exact_frac", "median"), tie_frac=("tie_frac", "median"))
+                floor=("floor", "median"), n=("n", "median"), n_all=("n_all", "median"),
+                distinct=("distinct", "median"), distinct_floor=("distinct_floor", "median"),
+                exact_frac=("exact_frac", "median"), tie_frac=("tie_frac", "median"),
+                score_without_ties=("score_without_ties", "median"), mean_error=("mean_error", "median"),
+                mean_error_se=("mean_error_se", "median"), score_all_values=("score_all_values", "median"))
     out["x_floor"] = out["median"] / out["floor"]
     return out
 
@@ -794,7 +968,9 @@ def layerwise_divergence(model, input_ids, attention_mask, regions, token_mask=N
 
 
 __all__ = [
-    "BF16_MIN_SUBNORMAL", "LOCATIONS", "LOCATION_BY_NAME", "Location", "N_COEFFS", "ChainResult", "bf16_grid",
+    "BF16_MIN_SUBNORMAL", "LOCATIONS", "LOCATION_BY_NAME", "Location", "N_COEFFS", "ROPE_LOCATIONS", "ChainResult",
+    "RoundingClustering", "bf16_grid", "capture_rope_at_positions", "capture_rope_inputs", "positions_label",
+    "rope_prerounding", "rounding_clustering", "task_positions", "uniform_positions",
     "bf16_neighbors", "bf16_steps", "bf16_ulp", "capture_prerounding", "chain_rounding", "chain_step_differences", "clustering_score",
     "clustering_table", "distinct_prefix_mask", "distinct_value_floor", "fourier_clustering", "fourier_coefficients", "layerwise_divergence",
     "parse_chain", "record_region_outputs", "region_difference", "round_bf16", "rounding_position",

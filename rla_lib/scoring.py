@@ -3,7 +3,8 @@
 The decoder runs once over the batch; the LM head and log-softmax then run over chunks of
 positions, so peak memory is bounded by `chunk_size x vocab` rather than `tokens x vocab`
 (151,936 columns for a real Qwen). Logits come out of the model in its dtype (BF16) and the
-log-softmax is taken in FP32, as vLLM does.
+log-softmax is taken in FP32, as vLLM does. At a sampling temperature T != 1 the engine samples
+softmax(logits / T): `temperature=T` scores that distribution, dividing in vLLM's order.
 """
 
 from __future__ import annotations
@@ -29,12 +30,29 @@ def response_tokens(per_sequence, starts):
     return np.concatenate([np.asarray(x)[s:] for x, s in zip(per_sequence, starts)])
 
 
+def log_softmax_at(logits, temperature: float = 1.0):
+    """FP32 log-softmax of logits / temperature, in vLLM's sampler's order: cast the model's logits to
+    FP32, divide by T in FP32, normalise. At T=1 nothing is divided (bitwise the plain log-softmax).
+
+    Dividing by the Python float equals vLLM's in-place division by its FP32 temperature tensor bit for bit.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
 def hidden_states(model, ids, mask):
     return model.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False):
+def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False,
+                   temperature: float = 1.0):
     """Logprob of each token given its prefix, for each sequence (entry t scores ids[t+1]).
+
+    `temperature`: score softmax(logits / T), the distribution an engine sampling at T draws from.
 
     Returns a list of float32 numpy arrays (or a list of (logprobs, full) pairs with
     full_vocab=True). With grad=True returns torch tensors that keep the graph.
@@ -51,7 +69,7 @@ def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = 
             flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
             lp_chunks, full_chunks = [], []
             for s in range(0, flat_h.shape[0], chunk_size):
-                logp = torch.log_softmax(model.lm_head(flat_h[s : s + chunk_size]).float(), dim=-1)
+                logp = log_softmax_at(model.lm_head(flat_h[s : s + chunk_size]), temperature)
                 lp_chunks.append(logp.gather(-1, flat_t[s : s + chunk_size, None])[:, 0])
                 if full_vocab:
                     full_chunks.append(logp.detach())

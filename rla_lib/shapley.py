@@ -4,7 +4,8 @@ phi_i = sum over coalitions S not containing i of |S|! (n-|S|-1)! / n! * (v(S + 
 
 `value` is called once per coalition (cached), so an expensive measurement runs 2^n times, never
 more. For error bars, `bootstrap_shapley` recomputes the values on resampled *cached per-sequence
-results* instead of rerunning any model.
+results* instead of rerunning any model, resampling prompts (all responses of a prompt together: they
+are correlated, see `rla_lib.kl`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from itertools import combinations
 from math import factorial
 
 import numpy as np
+
+from . import kl
 
 
 def coalitions(players):
@@ -47,19 +50,22 @@ def shares(phi: dict) -> dict:
     return {p: v / total if total else float("nan") for p, v in phi.items()}
 
 
-def bootstrap_shapley(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, reduction: bool = True):
-    """Shapley values on `n_boot` resamples of sequences.
+def bootstrap_shapley(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, reduction: bool = True, clusters=None):
+    """Shapley values on `n_boot` resamples of prompts (clusters), all coalitions on the same resample.
 
     per_sequence maps each coalition (frozenset) to (sums, counts): the per-sequence sum of an
     estimator's per-token terms and the token count, with sequences in the same order for every
-    coalition. The game's value is the token-weighted mean; with reduction=True the value of a
-    coalition is the *reduction* from the empty coalition (so positive = the gap shrinks).
+    coalition. clusters gives one prompt index per sequence: a prompt's responses are totalled and
+    resampled together (None: each sequence its own cluster, right only with one response per prompt).
+    The game's value is the token-weighted mean; with reduction=True the value of a coalition is the
+    *reduction* from the empty coalition (so positive = the gap shrinks).
     Returns an array (n_boot, n_players) in the order of `players`.
     """
     players = tuple(players)
-    n_seq = len(next(iter(per_sequence.values()))[0])
-    idx = np.random.default_rng(seed).integers(0, n_seq, size=(n_boot, n_seq))
-    means = {s: np.asarray(sums)[idx].sum(1) / np.asarray(counts)[idx].sum(1) for s, (sums, counts) in per_sequence.items()}
+    totals = {s: kl.cluster_totals(clusters, sums, counts) for s, (sums, counts) in per_sequence.items()}
+    n_clusters = len(next(iter(totals.values()))[0])
+    idx = kl.bootstrap_indices(n_clusters, n_boot, seed)
+    means = {s: sums[idx].sum(1) / counts[idx].sum(1) for s, (sums, counts) in totals.items()}
     base = means[frozenset()]
     out = np.empty((n_boot, len(players)))
     for b in range(n_boot):
@@ -68,20 +74,22 @@ def bootstrap_shapley(players, per_sequence: dict, n_boot: int = 1000, seed: int
     return out
 
 
-def attribute(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, unit: float = 1e-4):
-    """Shapley attribution of a gap reduction with bootstrap 95% CIs, from cached per-sequence results.
+def attribute(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, unit: float = 1e-4, clusters=None):
+    """Shapley attribution of a gap reduction with prompt-level bootstrap 95% CIs, from cached per-sequence results.
 
-    per_sequence is as in `bootstrap_shapley`. Returns (table, reduction, base): one row per player
-    with phi (in `unit`), its CI, its share of the reduction and the share's CI; the reduction from
-    the empty to the full coalition and the empty coalition's gap, both in `unit`.
+    per_sequence and clusters are as in `bootstrap_shapley`. Returns (table, reduction, base): one row
+    per player with phi (in `unit`), its CI, its share of the reduction and the share's CI; the
+    reduction from the empty to the full coalition and the empty coalition's gap, both in `unit`.
+    `table.attrs["reduction_ci"]` is the reduction's 95% CI (same resamples; by efficiency the
+    Shapley values of a resample sum to its reduction).
     """
     import pandas as pd
 
     players = tuple(players)
-    gap = {s: sums.sum() / counts.sum() for s, (sums, counts) in per_sequence.items()}
+    gap = {s: np.sum(sums) / np.sum(counts) for s, (sums, counts) in per_sequence.items()}
     none, everything = frozenset(), frozenset(players)
     phi = shapley_values(players, lambda s: gap[none] - gap[s])
-    boots = bootstrap_shapley(players, per_sequence, n_boot=n_boot, seed=seed)
+    boots = bootstrap_shapley(players, per_sequence, n_boot=n_boot, seed=seed, clusters=clusters)
     total = boots.sum(1, keepdims=True)
     share_boots = boots / np.where(total == 0, np.nan, total)
     reduction = gap[none] - gap[everything]
@@ -92,4 +100,7 @@ def attribute(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, un
         rows.append({"region": p, "phi (1e-4)": phi[p] / unit, "phi ci": f"[{lo / unit:.3g}, {hi / unit:.3g}]",
                      "share": phi[p] / reduction if reduction else np.nan, "share ci": f"[{slo:.0%}, {shi:.0%}]",
                      "share_lo": slo, "share_hi": shi})
-    return pd.DataFrame(rows).set_index("region"), reduction / unit, gap[none] / unit
+    table = pd.DataFrame(rows).set_index("region")
+    red_lo, red_hi = np.quantile(total[:, 0], [0.025, 0.975])
+    table.attrs["reduction_ci"] = (float(red_lo / unit), float(red_hi / unit))
+    return table, reduction / unit, gap[none] / unit

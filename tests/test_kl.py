@@ -108,3 +108,114 @@ def test_monitor_history_and_warning():
     assert (h["k3"] >= 0).all() and h["tokens"].eq(8).all()
     with pytest.raises(ValueError, match="same tokens"):
         mon.update(9, [np.zeros(3)], [np.zeros(4)])
+
+
+# ---- prompt clusters and paired differences ----------------------------------------------------
+def _one_per_prompt(rng, n_prompts=300, mean=1e-4, sd=3e-4):
+    return [rng.normal(mean, sd, rng.integers(2, 20)) for _ in range(n_prompts)]
+
+
+def test_clusters_none_is_the_sequence_level_computation():
+    rng = np.random.default_rng(5)
+    per_seq = _one_per_prompt(rng) + [np.zeros(0)]  # an empty sequence is dropped
+    e = kl.estimate(per_seq, n_boot=300, seed=7)
+    # the sequence-level formulas, written out: resample whole sequences, SE of a ratio of sums
+    sums, counts = np.array([t.sum() for t in per_seq[:-1]]), np.array([len(t) for t in per_seq[:-1]], float)
+    idx = np.random.default_rng(7).integers(0, len(sums), size=(300, len(sums)))
+    lo, hi = np.quantile(sums[idx].sum(1) / counts[idx].sum(1), [0.025, 0.975])
+    mean = sums.sum() / counts.sum()
+    se = np.sqrt((((sums - mean * counts) / counts.mean()) ** 2).sum() / (len(sums) * (len(sums) - 1)))
+    assert (e.value, e.se, e.ci_low, e.ci_high) == (mean / 1e-4, se / 1e-4, lo / 1e-4, hi / 1e-4)
+    assert e.n_sequences == e.n_clusters == len(sums)
+    assert kl.estimate(per_seq, clusters=np.arange(len(per_seq)), n_boot=300, seed=7) == e
+
+
+def test_identical_copies_add_no_information():
+    rng = np.random.default_rng(0)
+    single = _one_per_prompt(rng)
+    copies = 4
+    repeated = [t for t in single for _ in range(copies)]
+    prompts = np.repeat(np.arange(len(single)), copies)
+    one = kl.estimate(single, n_boot=500, seed=1)
+    clustered = kl.estimate(repeated, clusters=prompts, n_boot=500, seed=1)
+    naive = kl.estimate(repeated, n_boot=500, seed=1)
+    # per-prompt totals are `copies` times the single ones: the same ratio, residuals, and resamples
+    assert clustered.value == pytest.approx(one.value, rel=1e-12)
+    assert clustered.se == pytest.approx(one.se, rel=1e-9)
+    assert (clustered.ci_low, clustered.ci_high) == pytest.approx((one.ci_low, one.ci_high), rel=1e-9)
+    assert clustered.n_clusters == len(single) and clustered.n_sequences == len(repeated)
+    # treating copies as independent shrinks the SE by sqrt(copies) (up to the m-1 vs m*copies-1 factor)
+    assert naive.se * np.sqrt(copies) == pytest.approx(one.se, rel=0.01)
+    assert "300 prompts" in str(clustered)
+
+
+def test_clusters_must_match_the_sequences():
+    with pytest.raises(ValueError, match="one prompt index per sequence"):
+        kl.estimate([np.ones(3), np.ones(2)], clusters=[0, 0, 1])
+
+
+def _sums(per_seq):
+    return np.array([t.sum() for t in per_seq]), np.array([len(t) for t in per_seq])
+
+
+def test_paired_difference_hand_cases():
+    rng = np.random.default_rng(2)
+    a_sums, counts = _sums(_one_per_prompt(rng, 100))
+    prompts = np.arange(100) // 2
+    same = kl.paired_difference(a_sums, a_sums, counts, clusters=prompts, n_boot=200)
+    assert (same.diff, same.diff_ci_low, same.diff_ci_high, same.relative) == (0, 0, 0, 0)
+    assert not same.separated and same.n_clusters == 50 and same.n_tokens == counts.sum()
+    shift = kl.paired_difference(a_sums, a_sums + 0.5e-4 * counts, counts, clusters=prompts, n_boot=200)
+    assert shift.diff == pytest.approx(0.5) and shift.b - shift.a == pytest.approx(0.5)
+    assert (shift.diff_ci_low, shift.diff_ci_high) == pytest.approx((0.5, 0.5)) and shift.separated
+    scaled = kl.paired_difference(a_sums, 0.7 * a_sums, counts, clusters=prompts, n_boot=200)
+    assert scaled.relative == pytest.approx(-0.3)
+    assert (scaled.rel_ci_low, scaled.rel_ci_high) == pytest.approx((-0.3, -0.3))
+    assert scaled.diff == pytest.approx(-0.3 * scaled.a)
+    assert str(scaled).startswith("-30% [-30%, -30%] (") and str(scaled).endswith(" 1e-4, 50 prompts)")
+    row = scaled.as_row()
+    assert row["relative"] == scaled.relative and row["separated"] == scaled.separated and row["n_clusters"] == 50
+
+
+def test_paired_difference_ci_covers_the_truth_with_correlated_responses():
+    # Many prompts, 3 responses each; a prompt effect shared by its responses (strong within-prompt
+    # correlation) on both a and on the difference. Truth: mean a = 2, mean b = 1.5 (relative -25%).
+    rng = np.random.default_rng(11)
+    reps, n_prompts, per_prompt = 200, 100, 3
+    hits_diff = hits_rel = hits_naive = 0
+    for r in range(reps):
+        prompts = np.repeat(np.arange(n_prompts), per_prompt)
+        u, v = rng.normal(0, 1.0, n_prompts), rng.normal(0, 0.5, n_prompts)
+        lengths = rng.integers(2, 12, len(prompts))
+        a = [2.0 + u[p] + rng.normal(0, 0.3, n) for p, n in zip(prompts, lengths)]
+        b = [x - 0.5 + v[p] + rng.normal(0, 0.1, len(x)) for x, p in zip(a, prompts)]
+        (sa, counts), (sb, _) = _sums(a), _sums(b)
+        d = kl.paired_difference(sa, sb, counts, clusters=prompts, n_boot=400, seed=r, unit=1.0)
+        hits_diff += d.diff_ci_low <= -0.5 <= d.diff_ci_high
+        hits_rel += d.rel_ci_low <= -0.25 <= d.rel_ci_high
+        naive = kl.paired_difference(sa, sb, counts, n_boot=400, seed=r, unit=1.0)
+        hits_naive += naive.diff_ci_low <= -0.5 <= naive.diff_ci_high
+    # Nominal 95%. With 100 clusters a percentile bootstrap runs a little short (about 93-94%), and 200
+    # replications add a binomial SD of 1.6 points: >= 85% leaves more than 5 SD of room, so only a real
+    # defect (e.g. resampling sequences) fails it.
+    assert hits_diff >= 0.85 * reps and hits_rel >= 0.85 * reps, (hits_diff, hits_rel)
+    # resampling sequences ignores the shared prompt effect: its interval is about sqrt(3) too narrow
+    assert hits_naive < hits_diff - 0.1 * reps, (hits_naive, hits_diff)
+
+
+def test_tokens_to_separate_grows_with_correlated_copies():
+    rng = np.random.default_rng(4)
+    single_a = _one_per_prompt(rng, 200, mean=1.0, sd=1.0)
+    single_b = [x - 0.3 + rng.normal(0, 1.0, len(x)) for x in single_a]
+    copies = 4
+    rep = lambda seqs: [t for t in seqs for _ in range(copies)]
+    prompts = np.repeat(np.arange(200), copies)
+    need_single = kl.tokens_to_separate(single_a, single_b)
+    need_copies = kl.tokens_to_separate(rep(single_a), rep(single_b), clusters=prompts)
+    # copies add tokens but no information: the same SE at 4x the tokens
+    assert need_copies == pytest.approx(copies * need_single, rel=1e-6, abs=copies)
+    assert kl.tokens_to_separate(rep(single_a), rep(single_b)) < need_copies / 2  # ignoring the clusters
+    indep_a = _one_per_prompt(rng, 200 * copies, mean=1.0, sd=1.0)
+    indep_b = [x - 0.3 + rng.normal(0, 1.0, len(x)) for x in indep_a]
+    assert kl.tokens_to_separate(indep_a, indep_b, clusters=np.arange(800)) < need_copies
+    assert kl.tokens_to_separate(single_a, single_a) == float("inf")

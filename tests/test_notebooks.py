@@ -35,11 +35,20 @@ def test_every_notebook_has_a_parameters_cell_and_no_outputs():
 @pytest.mark.engine
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(nb_path, tmp_path, monkeypatch):
-    # the kernel inherits these: quick-run figures and results stay out of the repository
+    # the kernel inherits these: quick-run figures, results and tables stay out of the repository
     monkeypatch.setenv("RLA_FIGURES_DIR", str(tmp_path / "figures"))
     monkeypatch.setenv("RLA_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("RLA_TABLES_DIR", str(tmp_path / "tables"))
     papermill.execute_notebook(
         str(nb_path), str(tmp_path / nb_path.name), parameters=FAST[nb_path.stem],
         kernel_name="rla", cwd=str(nb_path.parent), progress_bar=False,
     )
     assert list((tmp_path / "figures").glob("*.png")), f"{nb_path.name} saved no figure"
+    if calls_save_table(nb_path):
+        assert list((tmp_path / "tables").glob("*.csv")), f"{nb_path.name} calls save_table but wrote no table"
+
+
+def calls_save_table(nb_path) -> bool:
+    """Whether a code cell of the notebook calls `save_table` (the notebooks that write result tables)."""
+    cells = json.loads(nb_path.read_text())["cells"]
+    return any("save_table(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code")

@@ -59,3 +59,45 @@ def test_attribute_table_on_an_additive_game():
     table, reduction, base = attribute("ab", per_seq, n_boot=50)
     assert reduction == pytest.approx(4.0) and base == pytest.approx(10.0)
     assert table.loc["a", "phi (1e-4)"] == pytest.approx(3.0) and table.loc["b", "share"] == pytest.approx(0.25)
+
+
+def _additive_game(rng, n_seq=300, own_noise_sd=0.0):
+    """Per-token gap 10, a removes 3, b removes 1; noise shared by all coalitions (so every resample's
+    reduction is exactly 4), plus, optionally, noise of each coalition's own."""
+    counts = rng.integers(5, 15, size=n_seq)
+    noise = [rng.normal(0, 2.0, c) for c in counts]
+    effect = {"a": 3.0, "b": 1.0}
+    return {s: (np.array([(10 - sum(effect[p] for p in s) + e + rng.normal(0, own_noise_sd, len(e))).sum() for e in noise]), counts)
+            for s in coalitions("ab")}
+
+
+def test_bootstrap_without_clusters_resamples_sequences():
+    per_seq = _additive_game(np.random.default_rng(1), n_seq=80)
+    plain = bootstrap_shapley("ab", per_seq, n_boot=50, seed=3)
+    np.testing.assert_array_equal(plain, bootstrap_shapley("ab", per_seq, n_boot=50, seed=3, clusters=np.arange(80)))
+
+
+def test_bootstrap_resamples_prompts_and_copies_add_no_information():
+    per_seq = _additive_game(np.random.default_rng(2), n_seq=100, own_noise_sd=1.0)
+    copies = 3
+    repeated = {s: (np.repeat(sums, copies), np.repeat(counts, copies)) for s, (sums, counts) in per_seq.items()}
+    prompts = np.repeat(np.arange(100), copies)
+    one = bootstrap_shapley("ab", per_seq, n_boot=200, seed=0)
+    clustered = bootstrap_shapley("ab", repeated, n_boot=200, seed=0, clusters=prompts)
+    np.testing.assert_allclose(clustered, one, rtol=1e-9)  # same resamples of the same per-prompt totals
+    naive = bootstrap_shapley("ab", repeated, n_boot=200, seed=0)
+    # about 1/sqrt(3) = 0.58 when copies count as data; a 200-resample spread is good to about 5%
+    assert naive[:, 0].std() < 0.75 * one[:, 0].std()
+
+
+def test_attribute_passes_clusters_and_reports_the_reduction_ci():
+    from rla_lib.shapley import attribute
+
+    per_seq = _additive_game(np.random.default_rng(3))
+    prompts = np.arange(300) // 2
+    table, reduction, base = attribute("ab", per_seq, n_boot=300, unit=1.0, clusters=prompts)
+    lo, hi = table.attrs["reduction_ci"]
+    assert (lo, hi, reduction) == pytest.approx((4.0, 4.0, 4.0))  # shared noise: every resample cuts exactly 4
+    boots = bootstrap_shapley("ab", per_seq, n_boot=300, clusters=prompts)
+    assert (lo, hi) == pytest.approx(tuple(np.quantile(boots.sum(1), [0.025, 0.975])))
+    assert table.loc["a", "share_lo"] <= 0.75 <= table.loc["a", "share_hi"]

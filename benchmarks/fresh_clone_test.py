@@ -1,0 +1,59 @@
+"""Time `make test` on a fresh clone of this repository, as CI runs it (set-up included).
+
+    .venv/bin/python benchmarks/fresh_clone_test.py [--env OMP_NUM_THREADS=1] [--label name]
+
+Clones HEAD into a temporary folder, runs `make setup` and then `make test` there, and writes the times and
+pytest's counts to tables/bench_fresh_clone.csv (one row per label; the README's "Time" line reads it).
+Takes as long as the suite: about 15 minutes on 2 cores.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import pandas as pd
+
+from rla_lib.paths import ROOT
+from rla_lib.report import TABLES_DIR, save_table
+
+
+def timed(cmd, cwd, env) -> tuple[float, str, int]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    return time.perf_counter() - start, proc.stdout + proc.stderr, proc.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the make commands")
+    parser.add_argument("--label", default=None, help="row name (default: the --env settings or 'default')")
+    args = parser.parse_args()
+    extra = dict(kv.split("=", 1) for kv in args.env)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLA_", "VIRTUAL_ENV"))} | extra
+    label = args.label or (",".join(args.env) or "default")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="rla-fresh-") as tmp:
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), tmp], check=True)
+        setup_s, out, rc = timed(["make", "setup"], tmp, env)
+        if rc:
+            raise SystemExit(f"make setup failed:\n{out[-3000:]}")
+        test_s, out, rc = timed(["make", "test"], tmp, env)
+    print(out[-1500:])
+    summary = re.findall(r"=+ (.*(?:passed|failed).*) in [\d.]+s", out)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1] if summary else "")}
+    row = dict(label=label, commit=commit, setup_s=round(setup_s), test_s=round(test_s), total_s=round(setup_s + test_s),
+               passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
+               skipped=counts.get("skipped", 0), exit_code=rc)
+    print(row)
+    path = TABLES_DIR / "bench_fresh_clone.csv"
+    old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=list(row))
+    table = pd.concat([old[old["label"] != label], pd.DataFrame([row])], ignore_index=True)
+    save_table(table.set_index("label"), "bench_fresh_clone", dict(labels=list(table["label"])))
+    raise SystemExit(rc)
+
+
+if __name__ == "__main__":
+    main()

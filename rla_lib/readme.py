@@ -1,0 +1,300 @@
+"""The README's measured numbers, rendered from the committed result tables (`tables/`), never typed in.
+
+    python -m rla_lib.readme           # rewrite every block of README.md from tables/
+    python -m rla_lib.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
+
+A block sits between `<!-- rla:begin NAME -->` and `<!-- rla:end NAME -->`; `BLOCKS[NAME]` renders it
+from tables and their provenance. Verdict words come from the numbers and their CIs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .align import REGIONS
+from .mismatch import config_name
+from .paths import MODELS_DIR, ROOT
+from .report import TABLES_DIR, compare_interval, load_table
+
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
+
+
+# ---- formatting ------------------------------------------------------------------------------
+def md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:+.{digits}f}%"
+
+
+def pct_ci(value: float, low: float, high: float) -> str:
+    return f"{pct(value)} [{pct(low)}, {pct(high)}]"
+
+
+def source(name: str, meta: dict) -> str:
+    """Where a block's numbers come from: file, date, commit, machine."""
+    m = meta.get("machine", {})
+    return (f"_From `tables/{name}.csv` (written {meta.get('written', '?')[:10]}, commit {meta.get('commit') or '?'}, "
+            f"CPU {m.get('cpu_capability', '?')}, torch {m.get('torch', '?')}, vLLM {m.get('vllm', '?')})._")
+
+
+MODEL_ORDER = ["qwen3-tiny", "qwen2-tiny"]
+
+
+# ---- blocks ---------------------------------------------------------------------------------
+def block_models() -> str:
+    rows = []
+    for name in MODEL_ORDER:
+        d = MODELS_DIR / name
+        train, cfg = json.loads((d / "training.json").read_text()), json.loads((d / "config.json").read_text())
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6
+        minutes = train["history"][-1]["seconds"] / 60 if train.get("history") else float("nan")
+        rows.append([f"`{name}`", f"`{cfg['architectures'][0]}`", f"{train['parameters'] / 1e6:.2f}M", f"{size:.1f} MB",
+                     f"{train['steps']:,}", f"{minutes:.0f} min", f"{train['eval_accuracy_t1_fp32']:.1%}",
+                     f"{train['eval_accuracy_greedy_fp32']:.1%}"])
+    return md_table(["model", "architecture", "parameters", "size", "training steps", "training time", "accuracy at T=1",
+                     "greedy"], rows) + "\n\n_From `data/models/*/training.json` and `config.json`, written by `make models`._"
+
+
+def block_table1() -> str:
+    t, meta = load_table("03_table1")
+    r, _ = load_table("03_reductions")
+    t, r = t.set_index(["model", "mode", "training side"]), r.set_index(["model", "mode", "training side"])
+    est = r["estimator"].iloc[0]
+    all3, all3_bf16 = config_name(REGIONS), config_name(REGIONS, rope_cos_sin="bf16")
+    rows, verdicts = [], []
+    for (model, mode), _ in t.groupby(level=[0, 1], sort=False):
+        stock = t.loc[(model, mode, "none")]
+        a, b, f = r.loc[(model, mode, all3)], r.loc[(model, mode, all3_bf16)], r.loc[(model, mode, "fp32")]
+        rows.append([f"{model} vs vLLM {mode}", f"{stock[est]:.3g} [{stock[f'{est} ci_low']:.3g}, {stock[f'{est} ci_high']:.3g}]",
+                     f"{a['b']:.3g}", pct_ci(a["relative"], a["rel_ci_low"], a["rel_ci_high"]),
+                     f"{b['b']:.3g}", pct_ci(b["relative"], b["rel_ci_low"], b["rel_ci_high"]),
+                     f"{f['b']:.3g}", pct_ci(f["relative"], f["rel_ci_low"], f["rel_ci_high"])])
+        verdicts.append(f"{model} vs {mode}: FP32 cos/sin {describe_vs_paper(a)}; BF16 cos/sin {describe_vs_paper(b)}")
+    p = meta.get("params", {})
+    head = (f"{est} KL(vLLM ‖ training), 1e-4 per token, 95% CIs resampling prompts ({p.get('n_prompts')} prompts x "
+            f"{p.get('n_samples')} responses, up to {p.get('max_tokens')} tokens); changes are paired differences on the same tokens.")
+    table = md_table(["model, engine mode", "stock BF16", "all three (FP32 cos/sin)", "change", "all three (BF16 cos/sin)",
+                      "change", "Transformers FP32", "change"], rows)
+    return "\n\n".join([head, table, "Against the paper's −10% to −25%: " + "; ".join(verdicts) + ".", source("03_table1", meta)])
+
+
+def describe_vs_paper(row) -> str:
+    where = compare_interval(row["rel_ci_low"], row["rel_ci_high"], -0.25, -0.10)
+    if not row["separated"]:
+        return "no change distinguishable from zero"
+    return {"inside": "inside the paper's range", "below": "a larger cut than the paper's",
+            "above": "a smaller cut than the paper's" if row["rel_ci_high"] < 0 else "a rise, not a cut",
+            "overlaps": "overlapping the paper's range"}[where]
+
+
+def block_shapley() -> str:
+    t, meta = load_table("04_shapley")
+    rows, notes = [], []
+    for (model, mode, cs), g in t.groupby(["model", "mode", "cos_sin"], sort=False):
+        g = g.set_index("region")
+        red = g.iloc[0]
+        cells = [f"{g.loc[reg, 'share']:.0%} [{g.loc[reg, 'share_lo']:.0%}, {g.loc[reg, 'share_hi']:.0%}]" for reg in g.index]
+        meaningful = red["reduction_lo"] > 0
+        rows.append([f"{model} vs {mode}", cs, f"{red['reduction']:.3g} [{red['reduction_lo']:.3g}, {red['reduction_hi']:.3g}]"]
+                    + (cells if meaningful else ["(no clear reduction)"] * len(cells)))
+        if meaningful:
+            where = compare_interval(g.loc["rope", "share_lo"], g.loc["rope", "share_hi"], 0.769, 0.918)
+            notes.append(f"{model} vs {mode} ({cs} cos/sin): RoPE {where} the paper's 77-92%")
+    table = md_table(["model, mode", "RoPE cos/sin", "reduction (1e-4)", *[f"{r} share" for r in t["region"].unique()]], rows)
+    return "\n\n".join([table, "; ".join(notes) + ".", source("04_shapley", meta)])
+
+
+def block_schedule() -> str:
+    k, meta = load_table("02_schedule_kl")
+    r, _ = load_table("02_schedule_reductions")
+    k = k.set_index(["model", "mode", "training side"])
+    att = load_table("02_attention")[0] if (TABLES_DIR / "02_attention.csv").exists() else None
+    rows = []
+    for (model, mode), g in r.groupby(["model", "mode"], sort=False):
+        g = g.set_index(["from", "to"])
+        paper, sched, diff = g.loc[("none", "paper")], g.loc[("none", f"schedule_{mode}")], g.loc[("paper", f"schedule_{mode}")]
+        row = [f"{model} vs {mode}", f"{paper['a']:.3g}", f"{paper['b']:.3g} ({pct(paper['relative'])})",
+               f"{sched['b']:.3g} ({pct_ci(sched['relative'], sched['rel_ci_low'], sched['rel_ci_high'])})",
+               f"{diff['diff']:+.3g} [{diff['diff_ci_low']:+.3g}, {diff['diff_ci_high']:+.3g}]"]
+        if att is not None:
+            a = att[(att["model"] == model) & (att["vLLM mode"] == mode)]
+            best = a.loc[a["exact KL"].idxmin()]
+            row.append(f"{best['exact KL']:.3g} ({pct_ci(best['change vs stock'], best['change ci_low'], best['change ci_high'])}), "
+                       f"{best['attention on the training side']}")
+        rows.append(row)
+    header = ["model vs vLLM mode", "stock", "paper's regions", "engine's schedule", "schedule − paper (1e-4)"]
+    header += ["schedule + closest attention variant"] if att is not None else []
+    return "\n\n".join([md_table(header, rows), source("02_schedule_kl", meta)])
+
+
+def block_table(name: str, columns: dict[str, str] | None = None, index: list[str] | None = None) -> str:
+    """A table shown as it was written (selected, renamed columns), with its source."""
+    t, meta = load_table(name)
+    columns = columns or {c: c for c in t.columns}
+    rows = [[fmt(row[c]) for c in columns] for _, row in t.iterrows()]
+    return "\n\n".join([md_table(list(columns.values()), rows), source(name, meta)])
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def block_overhead() -> str:
+    t, meta = load_table("bench_align_overhead")
+    rows = []
+    for config, g in t.groupby("config", sort=False):
+        g = g.set_index("shape")
+        rows.append([config] + [f"{pct(g.loc[s, 'cpu_ratio'] - 1, 1)} (memory {pct(g.loc[s, 'memory_ratio'] - 1, 1)})"
+                                if s in g.index else "" for s in t["shape"].unique()])
+    header = ["configuration"] + [f"{s}: {t[t['shape'] == s]['model'].iloc[0]}, {t[t['shape'] == s]['tokens'].iloc[0]} tokens"
+                                  for s in t["shape"].unique()]
+    p = meta.get("params", {})
+    return "\n\n".join([f"Forward+backward CPU time vs stock (median over {p.get('rounds')} rounds of the per-round ratio, "
+                        f"{p.get('threads')} thread(s)), activation memory vs stock:",
+                        md_table(header, rows), source("bench_align_overhead", meta)])
+
+
+def block_suite_time() -> str:
+    t, meta = load_table("bench_fresh_clone")
+    parts = [f"{r['label']}: {r['total_s'] / 60:.1f} min ({r['setup_s'] / 60:.1f} set-up + {r['test_s'] / 60:.1f} tests; "
+             f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped; commit {r['commit']})" for _, r in t.iterrows()]
+    return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
+
+
+CLUSTERING_SHOWN = ["q_proj", "input_norm.rsqrt", "input_norm.weight", "rope.q_cos", "rope.q_sin", "rope.q_sum", "attention",
+                    "silu", "swiglu", "residual_attn", "residual_mlp"]
+
+
+def block_clustering() -> str:
+    t, meta = load_table("05_clustering")
+    t = t[t["location"].isin(CLUSTERING_SHOWN)]
+    models = list(dict.fromkeys(t["model"]))
+    rows = []
+    for (loc, positions), g in sorted(t.groupby(["location", "positions"], sort=False),
+                                      key=lambda kv: (CLUSTERING_SHOWN.index(kv[0][0]), kv[0][1] != "task")):
+        g = g.set_index("model")
+        cells = [f"{g.loc[m, 'score']:.3g} ({g.loc[m, 'x_floor']:.1f}x floor; {g.loc[m, 'exact_frac']:.0%} on the grid) "
+                 f"{g.loc[m, 'reproduces paper']}" if m in g.index else "" for m in models]
+        rows.append([f"`{loc}`", positions, g["paper"].iloc[0], *cells])
+    head = ("Fourier RMS of rounding positions, median over layers, over values that actually round (values already on "
+            "the BF16 grid are left out and their share shown); floor = 1/sqrt(n); last word: does the paper's claim reproduce.")
+    return "\n\n".join([head, md_table(["location", "positions", "paper", *models], rows), source("05_clustering", meta)])
+
+
+def block_grpo_sweep() -> str:
+    t, meta = load_table("06_sweep")
+    p = meta.get("params", {})
+    policy = "eval acc policy last mean" in t.columns
+    rows = []
+    for _, r in t.iterrows():
+        row = [r["sweep"], r["config"], f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}",
+               f"{r['eval acc first mean']:.3f} → {r['eval acc last mean']:.3f} ± {r['eval acc last se']:.3f}"]
+        if policy:
+            has = r["eval acc policy last mean"] == r["eval acc policy last mean"] and r["config"].endswith("rollouts")
+            row.append(f"{r['eval acc policy last mean']:.3f} ± {r['eval acc policy last se']:.3f}" if has else "")
+        row.append(f"{r['k3 mean (1e-4) mean']:.3g} ± {r['k3 mean (1e-4) se']:.2g}")
+        rows.append(row)
+    header = ["lr", "configuration", "degraded", "diverged at once", "held-out accuracy start → last (mean ± se over seeds)"]
+    header += ["trained BF16 policy, last"] if policy else []
+    header += ["mismatch k3 (1e-4/token)"]
+    head = (f"Held-out accuracy on {p.get('eval_prompts')} problems at T=1; degraded = peaked after step 0, then ended below "
+            "the peak by more than two combined binomial standard errors; diverged at once = never beat step 0 and ended below it "
+            "by that margin.")
+    sweep = (f"_Histories: `data/grpo_sweep/{p.get('file')}` (written {str(p.get('written', '?'))[:10]}, commit "
+             f"{p.get('commit')})._")
+    return "\n\n".join([head, md_table(header, rows), sweep, source("06_sweep", meta)])
+
+
+def block_grpo_step() -> str:
+    parts = []
+    for name, label in [("bench_grpo_step_bf16", "default BF16"), ("bench_grpo_step_fp32", "FP32 control")]:
+        if (TABLES_DIR / f"{name}.csv").exists():
+            t, meta = load_table(name)
+            r, p = t.iloc[0], meta.get("params", {})
+            parts.append(f"{label}: {r['total']:.2f} s per step ({r['rollout']:.2f} rollout + {r['score']:.2f} scoring + "
+                         f"{r['update']:.2f} update + {r['sync']:.2f} weight sync; {p.get('prompts')} prompts x "
+                         f"{p.get('group_size')} samples, {meta.get('machine', {}).get('cpu_threads')} threads, CPU "
+                         f"{meta.get('machine', {}).get('cpu_capability')})")
+    return "One GRPO step, median after warm-up (`benchmarks/grpo_step.py`): " + "; ".join(parts) + "."
+
+
+BLOCKS = {
+    "models": block_models,
+    "table1": block_table1,
+    "shapley": block_shapley,
+    "schedule": block_schedule,
+    "clustering": block_clustering,
+    "overhead": block_overhead,
+    "grpo-sweep": block_grpo_sweep,
+    "grpo-step": block_grpo_step,
+    "suite-time": block_suite_time,
+}
+
+
+def measured_by(command: str, block):
+    """A benchmark's block, or a line naming the command that measures it where its table is not there yet."""
+    def render_block() -> str:
+        try:
+            return block()
+        except FileNotFoundError:
+            return f"_Not measured on this commit yet: run `{command}`, then `make readme`._"
+    return render_block
+
+
+BLOCKS |= {
+    "overhead": measured_by("make bench", block_overhead),
+    "grpo-step": measured_by("make bench", block_grpo_step),
+    "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
+}
+
+
+def render(text: str, blocks=BLOCKS) -> tuple[str, list[str]]:
+    """`text` with every known block re-rendered; also the names of blocks whose content changed."""
+    changed = []
+
+    def one(m):
+        name = m.group(2)
+        if name not in blocks:
+            raise KeyError(f"README block {name!r} has no renderer in rla_lib.readme.BLOCKS ({', '.join(blocks)})")
+        body = blocks[name]().strip() + "\n"
+        if body != m.group(3):
+            changed.append(name)
+        return m.group(1) + body + m.group(4)
+
+    return BLOCK.sub(one, text), changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report blocks that are out of date (exit 1 if any)")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    new, changed = render(text)
+    if args.check:
+        if changed:
+            print(f"README blocks out of date with tables/: {', '.join(changed)}; run `make readme`", file=sys.stderr)
+        return 1 if changed else 0
+    if changed:
+        from .paths import atomic_write
+
+        atomic_write(args.readme, lambda tmp: tmp.write_text(new))
+    print(f"README: {len(changed)} block(s) rewritten" + (f" ({', '.join(changed)})" if changed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

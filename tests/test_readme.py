@@ -1,0 +1,64 @@
+"""Every number in the README's "Measured here" comes from a committed table (rla_lib.readme renders it)."""
+
+import re
+
+import pandas as pd
+import pytest
+
+from rla_lib import readme, report
+from rla_lib.paths import ROOT
+
+
+def measured_section(text: str) -> str:
+    start = text.index("## Measured here")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_readme_blocks_match_the_committed_tables():
+    text = (ROOT / "README.md").read_text()
+    rendered, changed = readme.render(text)
+    assert not changed, f"README blocks differ from tables/ (run `make readme`): {changed}"
+    assert rendered == text
+
+
+def test_measured_section_has_no_hand_typed_numbers():
+    section = measured_section((ROOT / "README.md").read_text())
+    assert "<!-- rla:begin" in section
+    outside = readme.BLOCK.sub("", section)
+    # prose may name notebooks (03_kl), units (1e-4) and counts of things in words; no measured values
+    numbers = [n for n in re.findall(r"(?<![\w./-])[-+−]?\d+(?:\.\d+)?%?(?![\w-])", outside)]
+    assert not numbers, f"numbers typed into the README outside generated blocks: {numbers}"
+
+
+def test_every_block_has_a_renderer():
+    names = [m.group(2) for m in readme.BLOCK.finditer((ROOT / "README.md").read_text())]
+    assert names and set(names) <= set(readme.BLOCKS)
+
+
+def test_compare_interval():
+    assert report.compare_interval(-0.2, -0.15, -0.25, -0.10) == "inside"
+    assert report.compare_interval(-0.5, -0.3, -0.25, -0.10) == "below"
+    assert report.compare_interval(-0.05, 0.02, -0.25, -0.10) == "above"
+    assert report.compare_interval(-0.3, -0.2, -0.25, -0.10) == "overlaps"
+
+
+def test_save_table_round_trip_with_provenance(tmp_path):
+    df = pd.DataFrame({"model": ["a", "b"], "value": [1.5, 2.25]}).set_index("model")
+    report.save_table(df, "t", params=dict(n=3), directory=tmp_path)
+    back, meta = report.load_table("t", directory=tmp_path)
+    assert back["value"].tolist() == [1.5, 2.25] and back["model"].tolist() == ["a", "b"]
+    assert meta["params"] == {"n": 3} and meta["machine"]["cpu_capability"] and meta["written"]
+
+
+def test_a_missing_table_names_what_writes_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="notebook"):
+        report.load_table("03_nothing", directory=tmp_path)
+
+
+def test_render_replaces_only_blocks():
+    text = "intro 1.5\n<!-- rla:begin x -->\nold\n<!-- rla:end x -->\ntail"
+    new, changed = readme.render(text, {"x": lambda: "new 2"})
+    assert new == "intro 1.5\n<!-- rla:begin x -->\nnew 2\n<!-- rla:end x -->\ntail" and changed == ["x"]
+    with pytest.raises(KeyError, match="no renderer"):
+        readme.render(text, {})
