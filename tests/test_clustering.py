@@ -1,12 +1,12 @@
 """rla_lib.rounding: the clustering score over values that actually round, and RoPE at chosen positions."""
 
-import functools
 import math
 
 import pytest
 import torch
 
 from rla_lib import rounding as R
+from tiny_models import batch, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -86,30 +86,6 @@ def test_ties_round_to_the_even_neighbour_both_ways():
 
 
 # ------------------------------------------------------------------------------------------------ RoPE at positions
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_model(arch, layers=2, seed=0):
-    """A random-init BF16 model of the embedded shape, norm weights away from 1 (shared: do not modify)."""
-    from transformers import AutoModelForCausalLM
-
-    from rla_lib.pretrain import make_config
-
-    torch.manual_seed(seed)
-    cfg = make_config(arch)
-    cfg.num_hidden_layers = layers
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-    return m.to(torch.bfloat16).eval()
-
-
-def batch():
-    from rla_lib.scoring import pad_batch
-
-    return pad_batch([[1, 2, 3, 11, 4, 5, 14, 6, 0], [3, 3, 11, 2, 14, 5, 0], [1, 2, 3], [9, 9, 12, 1, 14, 10, 8]])
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])

@@ -1,7 +1,6 @@
 """rla_lib.rounding: exact BF16 helpers, the clustering score, and the capture of pre-rounding values."""
 
 import copy
-import functools
 import math
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 
 from rla_lib import rounding as R
 from rla_lib.models import EMBEDDED_MODELS
+from tiny_models import batch, tiny_model
 
 U7, U6 = 2.0**-7, 2.0**-6  # BF16 spacing in [1, 2) and [2, 4)
 
@@ -225,30 +225,6 @@ def test_fourier_coefficients_histogram_path_equals_direct_sum():
 
 
 # ------------------------------------------------------------------------------------------------ capture
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_model(arch, layers=2, seed=0):
-    """A random-init BF16 model of the embedded shape (shared between tests: do not modify it)."""
-    from transformers import AutoModelForCausalLM
-
-    from rla_lib.pretrain import make_config
-
-    torch.manual_seed(seed)
-    cfg = make_config(arch)
-    cfg.num_hidden_layers = layers
-    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # non-trivial norm weights and biases (init gives ones / zeros)
-        for _, p in m.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-    return m.to(torch.bfloat16).eval()
-
-
-def batch():
-    from rla_lib.scoring import pad_batch
-
-    return pad_batch([[1, 2, 3, 11, 4, 5, 14, 6, 0], [3, 3, 11, 2, 14, 5, 0], [1, 2, 3], [9, 9, 12, 1, 14, 10, 8]])
 
 
 def stock_module_outputs(model, ids, mask):
