@@ -26,6 +26,12 @@ def timed(cmd, cwd, env) -> tuple[float, str, int]:
     return time.perf_counter() - start, proc.stdout + proc.stderr, proc.returncode
 
 
+def pytest_counts(output: str) -> dict[str, int]:
+    """pytest's closing counts ("265 passed, 2 skipped in 728.28s", with or without the ==== rule)."""
+    summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?) in [\d.]+s", output, re.M)
+    return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1] if summary else "")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the make commands")
@@ -42,8 +48,7 @@ def main() -> None:
             raise SystemExit(f"make setup failed:\n{out[-3000:]}")
         test_s, out, rc = timed(["make", "test"], tmp, env)
     print(out[-1500:])
-    summary = re.findall(r"=+ (.*(?:passed|failed).*) in [\d.]+s", out)
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1] if summary else "")}
+    counts = pytest_counts(out)
     row = dict(label=label, commit=commit, setup_s=round(setup_s), test_s=round(test_s), total_s=round(setup_s + test_s),
                passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
                skipped=counts.get("skipped", 0), exit_code=rc)
