@@ -22,7 +22,7 @@ Options (`AlignOptions`, passed as keyword arguments of `align`) pick the detail
 The defaults are the paper's; an option of a region that is not enabled is accepted and has no effect.
 
 - `rope_cos_sin`: `"fp32"` (default) or `"bf16"`: cos/sin rounded to BF16 first (as vLLM's BF16
-  `cos_sin_cache`), then used in FP32 math.
+  `cos_sin_cache`), then used in FP32 math. The paper does not say which; `"fp32"` is this project's reading.
 - `rope_qk_norm`: `"fp32"` (default) or `"stock"`: Q/K norm as in Transformers (rounding twice), only
   the rotary part in FP32. Ignored on Qwen2.
 - `norm_weight`: `"stock"` (default): the residual-stream norms round the normalised value before the
