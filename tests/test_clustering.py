@@ -6,16 +6,7 @@ import pytest
 import torch
 
 from rla_lib import rounding as R
-from tiny_models import batch, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The machine is shared: two threads on busy cores make these small ops 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tiny_models import batch, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 
 def grid_values(n, seed=0):

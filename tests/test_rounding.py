@@ -9,18 +9,9 @@ import torch
 
 from rla_lib import rounding as R
 from rla_lib.models import EMBEDDED_MODELS
-from tiny_models import batch, tiny_model
+from tiny_models import batch, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
 U7, U6 = 2.0**-7, 2.0**-6  # BF16 spacing in [1, 2) and [2, 4)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The machine is shared: two threads on busy cores make these small ops 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def f32(*values):

@@ -1,8 +1,18 @@
-"""Small random-init Qwen models and a padded batch, shared by the rounding and clustering tests."""
+"""Small random-init Qwen models, a padded batch and a one-thread fixture, shared by the rounding and clustering tests."""
 
 import functools
 
+import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The machine is shared: two threads on busy cores make these small ops 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=None)
