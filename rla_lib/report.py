@@ -48,11 +48,15 @@ def machine() -> dict:
 
 
 def git_commit() -> str | None:
+    """The short commit, with "+changes" when the work tree differs from it (the numbers came from uncommitted code)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "rla_lib", "notebooks",
+                                "benchmarks", "experiments"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = head.stdout.strip()
+    return (commit + ("+changes" if dirty.stdout.strip() else "")) or None
 
 
 def save_table(df: pd.DataFrame, name: str, params: dict | None = None, directory: Path | str | None = None) -> Path:
