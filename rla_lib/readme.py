@@ -20,7 +20,7 @@ import pandas as pd
 from .align import REGIONS
 from .mismatch import config_name
 from .paths import MODELS_DIR, ROOT
-from .report import TABLES_DIR, compare_interval, load_table
+from .report import TABLES_DIR, change_vs_range, compare_interval, load_table
 
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
@@ -90,12 +90,7 @@ def block_table1() -> str:
 
 
 def describe_vs_paper(row) -> str:
-    where = compare_interval(row["rel_ci_low"], row["rel_ci_high"], -0.25, -0.10)
-    if not row["separated"]:
-        return "no change distinguishable from zero"
-    return {"inside": "inside the paper's range", "below": "a larger cut than the paper's",
-            "above": "a smaller cut than the paper's" if row["rel_ci_high"] < 0 else "a rise, not a cut",
-            "overlaps": "overlapping the paper's range"}[where]
+    return change_vs_range(row["rel_ci_low"], row["rel_ci_high"], row["separated"], -0.25, -0.10)
 
 
 def block_shapley() -> str:
@@ -136,20 +131,6 @@ def block_schedule() -> str:
     header = ["model vs vLLM mode", "stock", "paper's regions", "engine's schedule", "schedule − paper (1e-4)"]
     header += ["schedule + closest attention variant"] if att is not None else []
     return "\n\n".join([md_table(header, rows), source("02_schedule_kl", meta)])
-
-
-def block_table(name: str, columns: dict[str, str] | None = None, index: list[str] | None = None) -> str:
-    """A table shown as it was written (selected, renamed columns), with its source."""
-    t, meta = load_table(name)
-    columns = columns or {c: c for c in t.columns}
-    rows = [[fmt(row[c]) for c in columns] for _, row in t.iterrows()]
-    return "\n\n".join([md_table(list(columns.values()), rows), source(name, meta)])
-
-
-def fmt(x) -> str:
-    if isinstance(x, float):
-        return f"{x:.3g}"
-    return str(x)
 
 
 def block_overhead() -> str:
@@ -231,19 +212,6 @@ def block_grpo_step() -> str:
     return "One GRPO step, median after warm-up (`benchmarks/grpo_step.py`): " + "; ".join(parts) + "."
 
 
-BLOCKS = {
-    "models": block_models,
-    "table1": block_table1,
-    "shapley": block_shapley,
-    "schedule": block_schedule,
-    "clustering": block_clustering,
-    "overhead": block_overhead,
-    "grpo-sweep": block_grpo_sweep,
-    "grpo-step": block_grpo_step,
-    "suite-time": block_suite_time,
-}
-
-
 def measured_by(command: str, block):
     """A benchmark's block, or a line naming the command that measures it where its table is not there yet."""
     def render_block() -> str:
@@ -254,8 +222,14 @@ def measured_by(command: str, block):
     return render_block
 
 
-BLOCKS |= {
+BLOCKS = {
+    "models": block_models,
+    "table1": block_table1,
+    "shapley": block_shapley,
+    "schedule": block_schedule,
+    "clustering": block_clustering,
     "overhead": measured_by("make bench", block_overhead),
+    "grpo-sweep": block_grpo_sweep,
     "grpo-step": measured_by("make bench", block_grpo_step),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
 }

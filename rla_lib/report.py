@@ -92,3 +92,13 @@ def compare_interval(low: float, high: float, ref_low: float, ref_high: float) -
     if ref_low <= low and high <= ref_high:
         return "inside"
     return "overlaps"
+
+
+def change_vs_range(rel_low: float, rel_high: float, separated: bool, ref_low: float, ref_high: float) -> str:
+    """A paired change's CI (relative, e.g. -0.39..-0.24) read against a reported range of cuts (e.g. the paper's
+    -25%..-10%), in words: the one wording used by the notebooks and the README."""
+    if not separated:
+        return "no change distinguishable from zero"
+    return {"inside": "inside the paper's range", "below": "a larger cut than the paper's",
+            "above": "a smaller cut than the paper's" if rel_high < 0 else "a rise, not a cut",
+            "overlaps": "overlapping the paper's range"}[compare_interval(rel_low, rel_high, ref_low, ref_high)]

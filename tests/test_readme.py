@@ -62,3 +62,11 @@ def test_render_replaces_only_blocks():
     assert new == "intro 1.5\n<!-- rla:begin x -->\nnew 2\n<!-- rla:end x -->\ntail" and changed == ["x"]
     with pytest.raises(KeyError, match="no renderer"):
         readme.render(text, {})
+
+
+def test_change_vs_range_words():
+    assert report.change_vs_range(-0.4, -0.3, True, -0.25, -0.10) == "a larger cut than the paper's"
+    assert report.change_vs_range(-0.2, -0.12, True, -0.25, -0.10) == "inside the paper's range"
+    assert report.change_vs_range(0.04, 0.5, True, -0.25, -0.10) == "a rise, not a cut"
+    assert report.change_vs_range(-0.08, -0.02, True, -0.25, -0.10) == "a smaller cut than the paper's"
+    assert report.change_vs_range(-0.3, 0.1, False, -0.25, -0.10) == "no change distinguishable from zero"
