@@ -13,6 +13,9 @@ KERNEL := rla
 export HF_HUB_OFFLINE ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# Run as a CPU of a lower instruction-set level would (rla_lib.machine.ISA_LEVELS), e.g. make test ISA=avx2
+ISA ?=
+CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
 .PHONY: setup run-all readme test test-fast lab models bench grpo-sweep clean
 
@@ -41,10 +44,12 @@ $(STAMP): pyproject.toml
 
 run-all: setup
 	mkdir -p notebooks/executed figures
+	@# no progress bars in batch runs: the executed notebooks keep results, not frozen bars (rla_lib.progress)
 	@for nb in $(NOTEBOOKS); do \
 		echo "== $$nb"; \
-		$(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
+		RLA_PROGRESS=0 $(CAP) $(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
 	done
+	$(PY) -m rla_lib.report times notebooks/executed
 	$(PY) -m rla_lib.readme
 
 # The README's measured numbers, rewritten from the result tables under tables/ (run-all ends with it).
@@ -54,11 +59,11 @@ readme: setup
 # Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
 PYTEST_ARGS ?=
 test: setup
-	$(VENV)/bin/pytest -q -rs tests $(PYTEST_ARGS)
+	$(CAP) $(VENV)/bin/pytest -q -rs tests $(PYTEST_ARGS)
 
 # Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`).
 test-fast: setup
-	$(VENV)/bin/pytest -q -rs -m "not engine" tests $(PYTEST_ARGS)
+	$(CAP) $(VENV)/bin/pytest -q -rs -m "not engine" tests $(PYTEST_ARGS)
 
 # JupyterLab on notebooks/ with the rla kernel, on 127.0.0.1:$$LAB_PORT (8888; the next free port if taken).
 lab: setup
@@ -70,6 +75,7 @@ models: setup
 bench: setup
 	$(PY) benchmarks/align_overhead.py
 	$(PY) benchmarks/grpo_step.py
+	$(PY) benchmarks/bf16_matmul.py
 
 # The GRPO settings search of notebook 06, one single-core process per shard (faster than one process
 # on all cores: the tiny model's steps do not scale past a core). Resumable; ends by collecting

@@ -22,6 +22,7 @@ which starts its engine core in a spawned process: scripts need an
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .machine import separate_compile_caches, with_child_site
 from .models import ModelSpec, resolve_model
 from .paths import ROOT
 from .progress import vllm_bar
@@ -49,15 +51,20 @@ def configure_environment() -> None:
     """Defaults vLLM needs on CPU; must run before `import vllm`. Existing settings win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM reserves 92% of RAM
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # the AOT cache fails to reload in 0.32.0
+    separate_compile_caches()  # a capped instruction set (rla_lib.machine.ISA_LEVELS) compiles into its own cache
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Readable notebooks: every in-place weight reload logs warnings for layers without weights
     # (rotary) or with tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the engine core's NUMA-binding notice at every start
+    # the engine's processes apply that level before vLLM's import-time warnings (rla_lib/child_site)
+    os.environ["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
 
 
 def import_vllm():
     configure_environment()
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # as child_site does in the engine
     try:
         import vllm
     except ImportError as e:

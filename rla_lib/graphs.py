@@ -2100,16 +2100,21 @@ def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
         g.meta.update(meta)
         g.save(out / ("trace.json" if mode == "eager" else "lm_head_trace.json"))
         eng.close()
+    from .machine import machine  # imports torch, which the graph readers do not need
+
     meta["seconds"] = round(time.time() - t0, 1)
+    meta["machine"] = machine()  # the kernels, and so the graph, depend on it
     _atomic_write_json(out / "capture.json", meta)
 
 
 def capture_dir(model, engine="vllm", mode="compiled") -> Path:
+    from .machine import machine_key  # imports torch, which the graph readers do not need
     from .models import resolve_model
 
     spec = resolve_model(model)
     key = hashlib.sha1(str(spec.path).encode()).hexdigest()[:8]
-    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}"
+    # The kernels, and so the graph, depend on the machine (rla_lib.machine): one capture per machine.
+    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}-{machine_key()}"
 
 
 def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, force=False, timeout=1800) -> Path:

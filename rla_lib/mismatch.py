@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from . import kl, task
+from .machine import machine, machine_key
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR, atomic_write
 from .progress import bar
@@ -51,7 +52,7 @@ def fingerprint(model_dir: Path) -> str:
     for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for module in ("align.py", "scoring.py", "engine.py", "mismatch.py"):
+    for module in ("align.py", "scoring.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
         h.update((Path(__file__).parent / module).read_bytes())
     return h.hexdigest()[:12]
 
@@ -200,7 +201,7 @@ class MismatchRun:
 def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
                temperature: float, seed: int) -> dict:
     """What the sampled responses depend on (the folder of every side scored on them)."""
-    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), sampled_by=sampled_by, n_prompts=n_prompts,
+    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(), sampled_by=sampled_by, n_prompts=n_prompts,
                 n_samples=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
@@ -321,7 +322,7 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
                 run = load_or_sample(folder, lambda: MismatchRun(
                     *sample_responses(engine, key["n_prompts"], key["n_samples"], key["max_tokens"], temperature, key["seed"],
                                       progress),
-                    meta=dict(key)))
+                    meta=dict(key) | {"machine_info": machine()}))
 
             def score(run, side):
                 scores = engine.score(run.sequences, full_vocab=full, progress=progress, **t_kwargs)

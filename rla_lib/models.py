@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .machine import use_bf16_matmul
 from .paths import MODELS_DIR
 
 EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny"}
@@ -104,6 +105,7 @@ def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu")
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    use_bf16_matmul(m)  # FP32-speed BF16 GEMMs where the CPU has no BF16 instructions
     m.eval()
     return m
 

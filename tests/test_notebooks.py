@@ -17,6 +17,8 @@ FAST = {
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
     "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3, configs=["default BF16", "FP32 control"]),
+    # the uncapped level (02's measurement and captures, reused) and AVX2 (every x86 CPU this project runs on has it)
+    "07_cpu_kinds": dict(models=["qwen3-tiny"], levels=["native", "avx2"], n_prompts=16, n_samples=2, n_boot=200),
 }
 
 
@@ -32,20 +34,37 @@ def test_every_notebook_has_a_parameters_cell_and_no_outputs():
         assert nb_path.stem in FAST, f"{nb_path.name}: add its fast parameters to FAST"
 
 
+@pytest.fixture(scope="module")
+def shared_results(tmp_path_factory):
+    """One results folder for all notebooks, as in `make run-all`: a measurement or capture one notebook made
+    (cached, keyed by everything it depends on) is reused by the next, e.g. 07's uncapped level reuses 02's."""
+    return tmp_path_factory.mktemp("results")
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(nb_path, tmp_path, monkeypatch):
+def test_notebook_executes(nb_path, tmp_path, monkeypatch, shared_results):
     # the kernel inherits these: quick-run figures, results and tables stay out of the repository
     monkeypatch.setenv("RLA_FIGURES_DIR", str(tmp_path / "figures"))
-    monkeypatch.setenv("RLA_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("RLA_RESULTS_DIR", str(shared_results))
     monkeypatch.setenv("RLA_TABLES_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("RLA_PROGRESS", "0")  # as make run-all: no frozen bars in the executed notebook
     papermill.execute_notebook(
         str(nb_path), str(tmp_path / nb_path.name), parameters=FAST[nb_path.stem],
         kernel_name="rla", cwd=str(nb_path.parent), progress_bar=False,
     )
     assert list((tmp_path / "figures").glob("*.png")), f"{nb_path.name} saved no figure"
+    stderr = [line for line in stderr_lines(tmp_path / nb_path.name) if line.strip()]
+    assert not stderr, f"{nb_path.name}: log noise in the executed notebook's cells, e.g. {stderr[:5]}"
     if calls_save_table(nb_path):
         assert list((tmp_path / "tables").glob("*.csv")), f"{nb_path.name} calls save_table but wrote no table"
+
+
+def stderr_lines(executed_path) -> list[str]:
+    """What the cells wrote to stderr: engine logs and warnings land there, between a chapter's results."""
+    cells = json.loads(executed_path.read_text())["cells"]
+    return [line for c in cells for o in c.get("outputs", []) if o.get("name") == "stderr"
+            for line in "".join(o.get("text", "")).splitlines()]
 
 
 def calls_save_table(nb_path) -> bool:

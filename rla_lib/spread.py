@@ -1,0 +1,168 @@
+"""The same measurement at every instruction-set level this CPU can run: how the kernels move the gap.
+
+BF16 matmuls, vLLM's CPU attention and inductor's vectorised reductions take different kernel paths by
+instruction set, and each path rounds in its own places. So the stock gap, and whether the paper's three
+regions cut it, can change with the CPU. For each level in `rla_lib.machine.ISA_LEVELS` this CPU supports,
+a process capped to that level reads the engine's rounding schedule (notebook 02's reader, on that level's
+compiled code and eager trace) and measures the exact KL of stock Transformers, the paper's three regions
+and the read schedule against compiled and eager vLLM on the same prompts (`mismatch.STANDARD`).
+
+    table = spread.measure(["qwen2-tiny"], levels=["avx512_bf16", "avx2"])
+    python -m rla_lib.spread qwen2-tiny --level avx2    # one level, prints the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from . import graphs, machine, mismatch
+from .align import REGIONS
+from .paths import RESULTS_DIR, atomic_write
+
+MODES = ("compiled", "eager")
+PAPER = mismatch.config_name(REGIONS)
+SIDES = {"stock": "hf:bf16:none", "paper": f"hf:bf16:{PAPER}", "schedule": "hf:bf16:schedule_{mode}"}
+SPREAD_DIR = RESULTS_DIR / "spread"
+
+
+def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_samples: int = mismatch.STANDARD["n_samples"],
+                 max_tokens: int = mismatch.STANDARD["max_tokens"], seed: int = 0, n_boot: int = 2000,
+                 progress: bool | None = None) -> tuple[pd.DataFrame, dict]:
+    """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
+    changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
+    points, _ = graphs.read_sides(model, tuple(f"vllm:{mode}" for mode in MODES), progress=progress)
+    configs = {"none": ((), {}), PAPER: (REGIONS, {})}
+    for mode in MODES:
+        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(graphs.schedule(points[f"vllm:{mode}"]))
+    run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
+                           max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)
+    m = machine.machine()
+    rows = []
+    for mode in MODES:
+        sides = {name: side.format(mode=mode) for name, side in SIDES.items()}
+        kl = mismatch.table(run, f"vllm:{mode}", list(sides.values()), ("exact",), n_boot=n_boot, seed=seed)
+        row = dict(model=model, level=m["isa_level"], mode=mode, cpu_capability=m["cpu_capability"],
+                   bf16_matmul=m["bf16_matmul"], prompts=int(kl["prompts"].iloc[0]), tokens=int(kl["tokens"].iloc[0]))
+        for name, side in sides.items():
+            row |= {name: kl.loc[side, "exact"], f"{name} ci_low": kl.loc[side, "exact ci_low"],
+                    f"{name} ci_high": kl.loc[side, "exact ci_high"]}
+        for a, b in [("stock", "paper"), ("stock", "schedule"), ("paper", "schedule")]:
+            d = run.difference(f"vllm:{mode}", sides[a], sides[b], "exact", n_boot=n_boot, seed=seed)
+            row |= {f"{a}->{b}": d.relative, f"{a}->{b} ci_low": d.rel_ci_low, f"{a}->{b} ci_high": d.rel_ci_high,
+                    f"{a}->{b} separated": d.separated}
+        rows.append(row)
+    return pd.DataFrame(rows), {side: p.to_json() for side, p in points.items()}
+
+
+def kernel_probe() -> dict:
+    """Which kernels this process's level selects, probed directly: inductor's vector ISA, torch's kernel
+    capability, vLLM's kernel library and BF16 linear, and how often the engine's BF16 linear equals the
+    training side's on the same operands (a random (512 x 256) @ (256 x 768) product)."""
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    from .engine import import_vllm
+
+    import_vllm()
+    from vllm import _custom_ops as ops
+
+    library = ("_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512") if torch.cpu._is_avx512_supported() else "_C_AVX2"
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(512, 256, generator=g).bfloat16(), (torch.randn(768, 256, generator=g) / 16).bfloat16()
+    try:  # vLLM-CPU's dispatch (model_executor/layers/utils.py): oneDNN if it accepts the BF16 matmul, else torch's
+        engine_linear, engine_out = "oneDNN onednn_mm", ops.onednn_mm(ops.create_onednn_mm(w.t(), 32), x, None)
+    except RuntimeError:
+        engine_linear, engine_out = "torch linear (oneDNN refused)", torch.nn.functional.linear(x, w)
+    layer = torch.nn.Linear(256, 768, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    machine.use_bf16_matmul(layer)
+    with torch.no_grad():
+        training_out = layer(x)
+    return dict(inductor_vec_isa=str(cpu_vec_isa.pick_vec_isa()) or "none",
+                torch_capability=torch.backends.cpu.get_cpu_capability(), vllm_library=library,
+                vllm_bf16_linear=engine_linear, training_bf16_matmul=machine.bf16_matmul_mode(),
+                linear_outputs_equal=(engine_out == training_out).float().mean().item())
+
+
+def _worker_output(model: str, level: str, params: dict) -> Path:
+    return SPREAD_DIR / level / f"{Path(str(model)).name}.json"
+
+
+def measure(models, levels=None, progress: bool | None = None, **params) -> pd.DataFrame:
+    """`measure_here` for each model at each level (default: every level this CPU supports), each level in its own
+    capped process (the uncapped one too, so every row is made the same way). Rows of all levels, one table.
+    `levels`: names in `machine.ISA_LEVELS`, "native" for this CPU's own level; None: every level it can run."""
+    levels = machine.resolve_levels(levels)
+    frames = []
+    for level in levels:
+        for model in models:
+            out = _worker_output(model, level, params)
+            cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
+                   "--params", json.dumps(params)]
+            env = os.environ | machine.isa_environment(level)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise RuntimeError(f"the {level} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            frames.append(pd.DataFrame(json.loads(out.read_text())["rows"]))
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_points(model, level: str) -> dict:
+    """The rounding points the `level` run read per engine side (graphs.Points), to compare levels."""
+    d = json.loads(_worker_output(model, level, {}).read_text())
+    return {side: graphs.Points.from_json(p) for side, p in d["points"].items()}
+
+
+def kernels(models, levels) -> pd.DataFrame:
+    """`kernel_probe` of each level's run (the same for every model), one row per level."""
+    rows = {}
+    for level in levels:
+        d = json.loads(_worker_output(models[0], level, {}).read_text())
+        rows[level] = d["kernels"]
+    return pd.DataFrame(rows).T.rename_axis("level")
+
+
+def effect(row, a: str, b: str) -> str:
+    """The paired change from side a to side b in one word: "cut", "rise", or "none" (the CI includes zero)."""
+    if not row[f"{a}->{b} separated"]:
+        return "none"
+    return "cut" if row[f"{a}->{b}"] < 0 else "rise"
+
+
+def verdict(row) -> str:
+    """In words, from the paired CIs: does the paper help at this level, and does the read schedule beat it?"""
+    def change(a, b):
+        word = effect(row, a, b)
+        return "no distinguishable change" if word == "none" else f"a {word} of {abs(row[f'{a}->{b}']):.0%}"
+
+    versus = {"cut": "beats the paper's regions", "rise": "is worse than the paper's regions",
+              "none": "is indistinguishable from the paper's regions"}[effect(row, "paper", "schedule")]
+    return f"paper's regions: {change('stock', 'paper')}; read schedule: {change('stock', 'schedule')}, and it {versus}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="One model at one instruction-set level (run capped by `measure`).")
+    parser.add_argument("model")
+    parser.add_argument("--level", required=True, choices=list(machine.ISA_LEVELS))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--params", default="{}", help="JSON keyword arguments of measure_here")
+    args = parser.parse_args(argv)
+    if machine.isa_level() != args.level:
+        raise SystemExit(f"this process runs at {machine.isa_level()}, not {args.level}: start it with "
+                         f"rla_lib.machine.isa_environment({args.level!r}) (spread.measure does)")
+    rows, points = measure_here(args.model, progress=False, **json.loads(args.params))
+    print(rows.to_string())
+    if args.out:
+        payload = dict(machine=machine.machine(), kernels=kernel_probe(), rows=rows.to_dict("records"), points=points)
+        atomic_write(args.out, lambda tmp: tmp.write_text(json.dumps(payload, default=str)))
+
+
+if __name__ == "__main__":
+    main()

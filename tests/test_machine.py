@@ -1,0 +1,166 @@
+"""rla_lib.machine: provenance, instruction-set caps, and the training side's BF16 matmul."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rla_lib import machine
+from rla_lib.align import REGIONS, align
+from tiny_models import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
+
+BF16 = torch.bfloat16
+
+
+def tiny_qwen3():
+    return copy.deepcopy(tiny_model("qwen3"))  # the shared one must not be patched
+
+
+def summation_bound(x, w, b):
+    """A rigorous bound on |FP32 sum of the K products and the bias - exact| plus two roundings to BF16 (one of
+    the result, one of the product before a bias is added in BF16): (K + 1) u sum|terms| + 2 * 2^-8 |result|."""
+    terms = x.double().abs() @ w.double().abs().T + b.double().abs()
+    exact = x.double() @ w.double().T + b.double()
+    return (x.shape[1] + 1) * 2.0**-24 * terms + 2 * 2.0**-8 * (exact.abs() + terms * 2.0**-8), exact
+
+
+# A differing output needs its FP32 sum within the accumulation error (about 1e-6 relative) of a BF16 rounding
+# boundary (spacing 2^-8 relative): for random operands that is far below 1% of outputs.
+MOST = 0.99
+
+
+def operands(m=512, k=256, n=768, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(BF16), (torch.randn(n, k, generator=g) / 16).to(BF16), torch.randn(n, generator=g).to(BF16)
+
+
+# ---- the BF16 GEMM at FP32 speed -------------------------------------------------------------------
+def test_fp32_accumulate_linear_is_one_rounding_of_the_exact_products():
+    x, w, b = operands()
+    out = machine.LinearFP32Accumulate.apply(x, w, b)
+    bound, exact = summation_bound(x, w, b)  # BF16 products are exact in FP64; only the sum and rounding differ
+    assert out.dtype == BF16
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert (out == exact.to(BF16)).float().mean().item() > MOST
+
+
+def test_fp32_accumulate_linear_matches_torch_bf16_gemm_up_to_summation_order():
+    x, w, b = operands(seed=1)
+    ours, torchs = machine.LinearFP32Accumulate.apply(x, w, b), F.linear(x, w, b)
+    # both sum FP32 products (torch may add the bias after rounding); orders differ, so a few outputs sit on
+    # the other side of a rounding boundary
+    bound, _ = summation_bound(x, w, b)
+    assert ((ours.double() - torchs.double()).abs() <= 2 * bound).all()
+    assert (ours == torchs).float().mean().item() > MOST
+
+
+def test_fp32_accumulate_linear_gradients_are_the_fp32_products_rounded_once():
+    x, w, b = operands(m=64, seed=2)
+    x, w, b = x.requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    grad = torch.randn(64, w.shape[0], generator=torch.Generator().manual_seed(3)).to(BF16)
+    machine.LinearFP32Accumulate.apply(x, w, b).backward(grad)
+    assert torch.equal(x.grad, (grad.float() @ w.detach().float()).to(BF16))
+    assert torch.equal(w.grad, (grad.float().T @ x.detach().float()).to(BF16))
+    assert torch.equal(b.grad, grad.float().sum(0).to(BF16))
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    F.linear(x2, w2, b2).backward(grad)  # torch's BF16 backward: the same math, another summation order
+    for ours, torchs in [(x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)]:
+        assert (ours == torchs).float().mean().item() > MOST
+
+
+def test_use_bf16_matmul_patches_every_linear_and_native_restores_torch_bitwise():
+    model = tiny_qwen3().to(BF16).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert machine.use_bf16_matmul(model, "fp32") == "fp32"
+        assert all(machine.has_fp32_matmul(m) for m in linears)
+        fast = model(input_ids=ids).logits
+        assert machine.use_bf16_matmul(model, "native") == "native"
+        assert not any(machine.has_fp32_matmul(m) for m in linears)
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    assert (fast - stock).abs().max().item() < 0.1 * stock.abs().max().item()  # the same model, other summation order
+    with pytest.raises(ValueError, match="native"):
+        machine.use_bf16_matmul(model, "bf16")
+
+
+def test_fp32_matmul_leaves_fp32_models_bitwise_alone():
+    model = tiny_qwen3().float().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        machine.use_bf16_matmul(model, "fp32")
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_alignment_on_the_fp32_matmul_is_reversible_bitwise():
+    model = tiny_qwen3().to(BF16).eval()
+    machine.use_bf16_matmul(model, "fp32")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        handle = align(model, REGIONS)
+        aligned = model(input_ids=ids).logits
+        handle.undo()
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    assert not torch.equal(aligned, stock)  # alignment still acts on top of the kernel
+    assert all(machine.has_fp32_matmul(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_bf16_matmul_mode_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("RLA_BF16_MATMUL", "fp32")
+    assert machine.bf16_matmul_mode() == "fp32"
+    monkeypatch.setenv("RLA_BF16_MATMUL", "native")
+    assert machine.bf16_matmul_mode() == "native"
+    monkeypatch.setenv("RLA_BF16_MATMUL", "auto")
+    assert machine.bf16_matmul_mode() == ("native" if machine.native_bf16() else "fp32")
+    monkeypatch.setenv("RLA_BF16_MATMUL", "fast")
+    with pytest.raises(ValueError, match="auto, native, fp32"):
+        machine.bf16_matmul_mode()
+
+
+# ---- levels and caps ----------------------------------------------------------------------------------
+def test_levels_resolve_and_refuse_clearly():
+    supported = machine.isa_levels()
+    assert machine.resolve_levels(None) == supported
+    if supported:
+        assert machine.resolve_levels(["native"]) == supported[:1]
+    with pytest.raises(ValueError, match="cannot run"):
+        machine.resolve_levels(["sse2"])
+
+
+def test_a_bad_cap_names_the_choices(monkeypatch):
+    monkeypatch.setenv("RLA_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="avx512_bf16, avx512, avx2"):
+        machine.isa_level()
+
+
+def test_machine_records_what_bf16_numbers_depend_on():
+    m = machine.machine()
+    for key in ("cpu", "isa_flags", "isa_level", "cpu_capability", "bf16_matmul", "cpu_count", "cpu_threads", "torch",
+                "onednn", "transformers", "vllm"):
+        assert key in m
+    assert set(m["isa_flags"]) <= set(machine.BF16_FLAGS)
+    text = machine.describe(m)
+    assert m["cpu"] in text and m["bf16_matmul"] in text and m["torch"] in text
+    assert "?" in machine.describe({})  # an old sidecar without these fields still renders
+
+
+@pytest.mark.skipif("avx2" not in machine.isa_levels(), reason="needs a CPU with AVX2 (every x86 machine of this kind)")
+def test_a_capped_process_runs_the_avx2_kernels_vllm_and_torch_would_pick():
+    code = ("import json, torch; from rla_lib import machine; "
+            "print(json.dumps(dict(cap=torch.backends.cpu.get_cpu_capability(), avx512=torch.cpu._is_avx512_supported(), "
+            "bf16=torch.cpu._is_avx512_bf16_supported(), level=machine.isa_level(), mode=machine.bf16_matmul_mode(), "
+            "key=machine.machine_key())))")
+    env = os.environ | machine.isa_environment("avx2")
+    env.pop("RLA_BF16_MATMUL", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    capped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert capped == dict(cap="AVX2", avx512=False, bf16=False, level="avx2", mode="fp32", key=capped["key"])
+    assert capped["key"] != machine.machine_key() or machine.isa_level() == "avx2"
