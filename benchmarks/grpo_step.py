@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32]
 
-Prints the median over steps after the first (warm-up) step. Target on 2 CPU cores: <= 2 s per step.
+Prints the median over steps after the first (warm-up) step, and the tokens the training side sees
+(real and padded). Target on 2 CPU cores: <= 0.5 s per step.
 """
 
 import argparse
@@ -36,7 +37,11 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
           f"{args.prompts} prompts x {args.group_size} samples, median of {len(h)} steps after warm-up:")
     for p in parts:
         print(f"  {p[2:]:>8}: {med[p]:.3f} s")
-    print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens)")
-    row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean())
+    tokens = dict(real_tokens=h["real_tokens"].median(), padded_tokens=h["padded_tokens"].median())
+    padding = 1 - tokens["real_tokens"] / tokens["padded_tokens"]
+    print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens; "
+          f"{tokens['real_tokens']:.0f} real tokens per step, padded to {tokens['padded_tokens']:.0f}: {padding:.0%} padding)")
+    row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
+                                               **tokens, padding_fraction=padding)
     name = f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
     save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

@@ -4,8 +4,9 @@ One step:
   1. rollout   the engine (vLLM, compiled by default) samples `group_size` responses per prompt;
                the task's checker gives each a 0/1 reward
   2. score     the training side (Transformers, BF16 compute, optionally aligned) recomputes the
-               "old" logprobs of the sampled tokens; the mismatch monitor compares them with the
-               engine's own logprobs
+               "old" logprobs of the sampled tokens (those of the first minibatch come from its own
+               update forward, which no update precedes: the same bits); the mismatch monitor compares
+               them with the engine's own logprobs
   3. update    group-normalised advantages, clipped surrogate (clip 0.2, no KL penalty, no mismatch
                correction unless `tis_cap` is set), AdamW on FP32 master weights
   4. sync      the new weights are loaded into the running engine (no restart), prefix cache reset
@@ -144,9 +145,8 @@ class Policy:
 
     def refresh_compute(self):
         if self.compute is not self.master:
-            with torch.no_grad():
-                for c, m in zip(self.compute.parameters(), self.master.parameters()):
-                    c.copy_(m)  # round the FP32 master to BF16
+            with torch.no_grad():  # round the FP32 master to BF16, all tensors in one call
+                torch._foreach_copy_(list(self.compute.parameters()), list(self.master.parameters()))
 
     def rollout_weights(self):
         """What the engine gets: the FP32 master (the engine rounds it to its dtype), or coarser if asked."""
@@ -300,6 +300,27 @@ def run_many(runs, progress: bool | None = None):
             engine.close()
 
 
+def minibatch_rows(cfg, step: int, n: int) -> list[torch.Tensor]:
+    """The rows of each minibatch: a shuffle of the n samples, a pure function of (seed, step)."""
+    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(n)
+    return [torch.from_numpy(mb) for mb in np.array_split(order, cfg.minibatches)]
+
+
+def score_rows(policy, ids, attn, rows, old_lp, entropy) -> None:
+    """Fill old_lp and entropy at `rows` (no grad), cut to those rows' longest sequence.
+
+    Each row's logprobs depend on neither the other rows nor the padding after it (right padding,
+    causal attention), bit for bit: tests/test_grpo_speed.py checks it. Entries past the cut stay 0;
+    they are padding, masked everywhere they are used.
+    """
+    if len(rows) == 0:
+        return
+    width = int(attn[rows].sum(1).max())
+    with torch.no_grad():
+        lp, ent = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
+    old_lp[rows, : width - 1], entropy[rows, : width - 1] = lp, ent
+
+
 def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     t0 = time.perf_counter()
     problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
@@ -310,6 +331,8 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     t_rollout = time.perf_counter()
 
     # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
+    # The first minibatch's are those of its own update forward (no update has happened yet: the same
+    # bits as a no-grad pass, tested), so only the later minibatches' rows get a no-grad pass here.
     ids, attn = pad_batch([s.ids for s in samples])
     resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     inf_lp = torch.zeros_like(resp)
@@ -317,23 +340,24 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
         a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
         resp[i, a:b] = 1
         inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
-    with torch.no_grad():
-        old_lp, entropy = policy.logprobs(ids, attn, grad=False)
+    minibatches = minibatch_rows(cfg, step, len(samples))
+    old_lp, entropy = torch.zeros_like(resp), torch.zeros_like(resp)
+    score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy)
     lengths = resp.sum(1).long()
-    monitor.update(step, [s.logprobs for s in samples],
-                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
     t_score = time.perf_counter()
 
     adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
-    tis = torch.clamp(torch.exp(old_lp - inf_lp), max=cfg.tis_cap) if cfg.tis_cap else None
-    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(len(samples))
     grad_norms, clip_fracs = [], []
-    for mb in np.array_split(order, cfg.minibatches):
-        mb = torch.from_numpy(mb)
-        new_lp, _ = policy.logprobs(ids[mb], attn[mb], grad=True)
-        loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, None if tis is None else tis[mb])
+    for i, mb in enumerate(minibatches):
+        new_lp, new_entropy = policy.logprobs(ids[mb], attn[mb], grad=True)
+        if i == 0:
+            old_lp[mb], entropy[mb] = new_lp.detach(), new_entropy
+        tis = torch.clamp(torch.exp(old_lp[mb] - inf_lp[mb]), max=cfg.tis_cap) if cfg.tis_cap else None
+        loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, tis)
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
+    monitor.update(step, [s.logprobs for s in samples],
+                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
     t_update = time.perf_counter()
     engine.load_weights(policy.rollout_weights())
     t_sync = time.perf_counter()
@@ -343,6 +367,7 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
                mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
                entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
                clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
+               padded_tokens=ids.numel(), real_tokens=int(attn.sum()),
                t_rollout=t_rollout - t0, t_score=t_score - t_rollout, t_update=t_update - t_score, t_sync=t_sync - t_update,
                eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)
     if step % cfg.eval_every == 0:

@@ -227,6 +227,16 @@ def block_isa_spread() -> str:
         beats = sum(spread.effect(r, "paper", "schedule") == "cut" for _, r in g.iterrows())
         verdicts.append(f"{model} vs {mode}: the paper's regions give {', '.join(effects)}; the schedule read at each level "
                         f"beats them at {beats} of {len(g)} levels")
+    control = t[t["level"].str.endswith("+fp32 matmul")]
+    if len(control):
+        uncapped = t[t["level"] == control["level"].iloc[0].removesuffix("+fp32 matmul")].set_index(["model", "mode"])
+        same = sum(all(spread.effect(r, a, b) == spread.effect(uncapped.loc[(r["model"], r["mode"])], a, b)
+                       for a, b in [("stock", "paper"), ("stock", "schedule"), ("paper", "schedule")])
+                   for _, r in control.iterrows())
+        verdicts.append(f"control (the uncapped level with the lower levels' training-side matmul): the same three verdicts as "
+                        f"the uncapped level in {same} of {len(control)} model x mode cells, so "
+                        + ("what moves between levels is the engine's kernels, not the training side's matmul"
+                           if same == len(control) else "the training side's matmul moves some of it"))
     header = ["model vs vLLM mode", "ISA level", "torch kernels", "training BF16 matmul", "stock", "paper's regions",
               "read schedule", "schedule vs paper"]
     return "\n\n".join([md_table(header, rows), "; ".join(verdicts) + ".", source("07_isa_spread", meta)])

@@ -91,26 +91,33 @@ def kernel_probe() -> dict:
                 linear_outputs_equal=(engine_out == training_out).float().mean().item())
 
 
-def _worker_output(model: str, level: str, params: dict) -> Path:
-    return SPREAD_DIR / level / f"{Path(str(model)).name}.json"
+def _worker_output(model, label: str, params: dict) -> Path:
+    return SPREAD_DIR / label.replace(" ", "_") / f"{Path(str(model)).name}.json"
 
 
-def measure(models, levels=None, progress: bool | None = None, **params) -> pd.DataFrame:
+def measure(models, levels=None, matmul_control: bool = False, progress: bool | None = None, **params) -> pd.DataFrame:
     """`measure_here` for each model at each level (default: every level this CPU supports), each level in its own
     capped process (the uncapped one too, so every row is made the same way). Rows of all levels, one table.
-    `levels`: names in `machine.ISA_LEVELS`, "native" for this CPU's own level; None: every level it can run."""
+    `levels`: names in `machine.ISA_LEVELS`, "native" for this CPU's own level; None: every level it can run.
+
+    matmul_control: also the first level with the training side's BF16 linear layers computed as FP32 products
+    (`machine.use_bf16_matmul`, what the lower levels use), labelled "<level>+fp32 matmul": whether a change between
+    levels comes from the engine's kernels or from the training side's matmul."""
     levels = machine.resolve_levels(levels)
+    runs = [(level, level, {}) for level in levels]
+    if matmul_control:
+        runs.append((levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}))
     frames = []
-    for level in levels:
+    for level, label, extra_env in runs:
         for model in models:
-            out = _worker_output(model, level, params)
+            out = _worker_output(model, label, params)
             cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
                    "--params", json.dumps(params)]
-            env = os.environ | machine.isa_environment(level)
+            env = os.environ | machine.isa_environment(level) | extra_env
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if done.returncode:
-                raise RuntimeError(f"the {level} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            frames.append(pd.DataFrame(json.loads(out.read_text())["rows"]))
+                raise RuntimeError(f"the {label} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            frames.append(pd.DataFrame(json.loads(out.read_text())["rows"]).assign(level=label))
     return pd.concat(frames, ignore_index=True)
 
 

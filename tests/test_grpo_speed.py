@@ -1,0 +1,124 @@
+"""The fast GRPO step computes the same bits as the plain one.
+
+`grpo.train_step` takes the first minibatch's old logprobs from its own update forward and scores the
+other rows alone, cut to their own longest sequence. Both rest on one property of the training side:
+a row's logprobs depend neither on the other rows of the batch nor on the padding after it, bit for bit.
+The unit test checks that property; the engine test runs a few steps both ways and compares everything.
+"""
+
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from rla_lib import grpo, task
+from rla_lib.models import load_model, load_tokenizer
+from rla_lib.scoring import pad_batch
+
+
+def some_sequences(n: int, seed: int = 0) -> list[list[int]]:
+    """Task prompts followed by random tokens of random lengths: rows of different lengths, like a rollout."""
+    rng = random.Random(seed)
+    tokenizer = load_tokenizer("qwen3-tiny")
+    prompts = [tokenizer.encode(task.sample_problem(rng).prompt) for _ in range(n)]
+    return [p + [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))] for p in prompts]
+
+
+@pytest.mark.parametrize("configuration", ["default BF16", "all three", "FP32 control"])
+def test_row_logprobs_ignore_other_rows_and_padding(configuration):
+    policy = grpo.Policy(grpo.GRPOConfig(**grpo.CONFIGURATIONS[configuration]))
+    ids, attn = pad_batch(some_sequences(24))
+    real = attn[:, 1:] > 0
+    with torch.no_grad():
+        full_lp, full_entropy = policy.logprobs(ids, attn, grad=False)
+    lengths = attn.sum(1)
+    rows = torch.nonzero(lengths < lengths.max())[:, 0][1::2]  # some of the rows, not the longest
+    width = int(attn[rows].sum(1).max())
+    assert width < ids.shape[1]  # the cut removes padding
+    with torch.no_grad():
+        cut_lp, cut_entropy = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
+    keep = real[rows, : width - 1]
+    assert torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep])
+    assert torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep])
+    grad_lp, grad_entropy = policy.logprobs(ids[rows], attn[rows], grad=True)  # the update's forward
+    assert torch.equal(grad_lp.detach()[real[rows]], full_lp[rows][real[rows]])
+    assert torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]])
+
+
+def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+    """The GRPO step as it was before the speed work: every row scored in one no-grad pass at the batch's
+    width, then each minibatch's forward and update. Kept to prove the fast step computes the same bits."""
+    problems = grpo.training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
+    groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
+                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False)
+    samples = [s for g in groups for s in g]
+    rewards = np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
+    ids, attn = pad_batch([s.ids for s in samples])
+    resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    inf_lp = torch.zeros_like(resp)
+    for i, s in enumerate(samples):
+        a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
+        resp[i, a:b] = 1
+        inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
+    with torch.no_grad():
+        old_lp, entropy = policy.logprobs(ids, attn, grad=False)
+    lengths = resp.sum(1).long()
+    monitor.update(step, [s.logprobs for s in samples],
+                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+    adv = torch.from_numpy(grpo.group_advantages(rewards, cfg.group_size)).float()
+    tis = torch.clamp(torch.exp(old_lp - inf_lp), max=cfg.tis_cap) if cfg.tis_cap else None
+    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(len(samples))
+    grad_norms, clip_fracs = [], []
+    for mb in np.array_split(order, cfg.minibatches):
+        mb = torch.from_numpy(mb)
+        new_lp, _ = policy.logprobs(ids[mb], attn[mb], grad=True)
+        loss, clip_frac = grpo.clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, None if tis is None else tis[mb])
+        grad_norms.append(policy.step(loss))
+        clip_fracs.append(clip_frac)
+    engine.load_weights(policy.rollout_weights())
+    m = monitor.rows[-1]
+    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
+               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
+               entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
+               clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
+               eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)
+    if step % cfg.eval_every == 0:
+        row.update(grpo.evaluate_run(cfg, policy, engine, eval_split))
+    return row
+
+
+def reference_refresh_compute(self):
+    if self.compute is not self.master:
+        with torch.no_grad():
+            for c, m in zip(self.compute.parameters(), self.master.parameters()):
+                c.copy_(m)
+
+
+SHORT = dict(steps=3, prompts_per_step=4, group_size=4, max_tokens=24, eval_every=3, eval_prompts=8, checkpoint_every=3,
+             lr=1e-3)  # a large step size: later steps' rollouts depend visibly on earlier updates
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("settings", [dict(), dict(tis_cap=2.0, minibatches=3), dict(minibatches=1)],
+                         ids=["default", "tis-3-minibatches", "1-minibatch"])
+def test_fast_step_equals_reference_bitwise(compiled_engine, tmp_path, monkeypatch, settings):
+    cfg = grpo.GRPOConfig(**(SHORT | settings))
+    try:
+        fast = grpo.run(cfg, tmp_path / "fast", engine=compiled_engine, progress=False)
+        with monkeypatch.context() as m:
+            m.setattr(grpo, "train_step", reference_train_step)
+            m.setattr(grpo.Policy, "refresh_compute", reference_refresh_compute)
+            reference = grpo.run(cfg, tmp_path / "reference", engine=compiled_engine, progress=False)
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
+    pd.testing.assert_frame_equal(fast[reference.columns].drop(columns=["t_rollout", "t_score", "t_update", "t_sync"], errors="ignore"),
+                                  reference.drop(columns=["t_rollout", "t_score", "t_update", "t_sync"], errors="ignore"),
+                                  check_exact=True)
+    assert fast["grad_norm"].iloc[1:].gt(0).any()  # some update did something (a group all alike teaches nothing)
+    a = torch.load(tmp_path / "fast" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "reference" / "checkpoint.pt", weights_only=False)
+    assert all(torch.equal(a["master"][k], b["master"][k]) for k in a["master"])
+    state_a, state_b = a["opt"]["state"], b["opt"]["state"]
+    assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in ("exp_avg", "exp_avg_sq"))
