@@ -67,9 +67,12 @@ def cpu_flags() -> set[str]:
 
 
 def isa_levels() -> list[str]:
-    """The `ISA_LEVELS` this CPU can run, highest first (the first is what it runs uncapped)."""
+    """The `ISA_LEVELS` this process can run, highest first: those the CPU supports, at or below the cap this
+    process was started with (`RLA_CPU_ISA`), if any. The first is this process's own level."""
     flags = cpu_flags()
-    return [name for name, level in ISA_LEVELS.items() if set(level["requires"]) <= flags]
+    levels = [name for name, level in ISA_LEVELS.items() if set(level["requires"]) <= flags]
+    cap = os.environ.get("RLA_CPU_ISA")
+    return levels[levels.index(cap):] if cap in levels else levels
 
 
 def resolve_levels(levels=None) -> list[str]:

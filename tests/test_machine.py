@@ -135,6 +135,17 @@ def test_levels_resolve_and_refuse_clearly():
         machine.resolve_levels(["sse2"])
 
 
+def test_a_capped_process_offers_only_the_levels_at_or_below_its_cap(monkeypatch):
+    supported = machine.isa_levels()
+    if "avx2" not in supported:
+        pytest.skip("needs a CPU with AVX2")
+    monkeypatch.setenv("RLA_CPU_ISA", "avx2")
+    assert machine.isa_levels() == ["avx2"] and machine.resolve_levels(["native"]) == ["avx2"]
+    if supported[0] != "avx2":
+        with pytest.raises(ValueError, match="cannot run"):
+            machine.resolve_levels([supported[0]])
+
+
 def test_a_bad_cap_names_the_choices(monkeypatch):
     monkeypatch.setenv("RLA_CPU_ISA", "avx9000")
     with pytest.raises(ValueError, match="avx512_bf16, avx512, avx2"):
