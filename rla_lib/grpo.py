@@ -42,6 +42,7 @@ from . import task
 from .align import REGIONS, align
 from .kl import MismatchMonitor
 from .models import load_model
+from .machine import machine
 from .paths import atomic_write
 from .progress import bar
 from .rounding import round_mantissa
@@ -225,6 +226,13 @@ def evaluate_run(cfg: GRPOConfig, policy: Policy, engine, eval_split) -> dict:
     return dict(eval_accuracy=engine_acc, eval_accuracy_policy=policy_acc)
 
 
+def record_machine(path: Path) -> None:
+    """Append this start's machine to the run's list: a run resumed elsewhere says so (BF16 kernels differ by CPU)."""
+    starts = json.loads(path.read_text()) if path.exists() else []
+    starts.append(dict(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=machine()))
+    atomic_write(path, lambda p: p.write_text(json.dumps(starts, indent=1)))
+
+
 def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = None) -> pd.DataFrame:
     """Train, log, checkpoint; resume from `out_dir/checkpoint.pt` if it exists. Returns the history.
 
@@ -246,6 +254,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
             raise ValueError(f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
                              "use another out_dir, or delete it to start over")
     atomic_write(config_path, lambda p: p.write_text(json.dumps(settings, indent=1, sort_keys=True)))
+    record_machine(out_dir / "machine.json")
 
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg)

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -177,6 +179,8 @@ def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
         a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["master"]
         b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["master"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+        starts = json.loads((tmp_path / "resumed" / "machine.json").read_text())  # each start records its machine
+        assert len(starts) == 2 and starts[-1]["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
         assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], load_model("qwen3-tiny", dtype="float32").state_dict()["model.layers.0.mlp.up_proj.weight"])
         with pytest.raises(ValueError, match="different settings"):
             grpo.run(grpo.GRPOConfig(**TINY), tmp_path / "full", engine=compiled_engine, progress=False)
