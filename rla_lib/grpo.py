@@ -330,18 +330,17 @@ def score_rows(policy, ids, attn, rows, old_lp, entropy) -> None:
     old_lp[rows, : width - 1], entropy[rows, : width - 1] = lp, ent
 
 
-def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
-    t0 = time.perf_counter()
+def rollout(cfg, step: int, engine, exclude) -> tuple[list, np.ndarray]:
+    """The step's samples (`group_size` per training prompt, seeded by step) and their 0/1 rewards."""
     problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
     groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
                            temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False)
     samples = [s for g in groups for s in g]
-    rewards = np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
-    t_rollout = time.perf_counter()
+    return samples, np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
 
-    # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
-    # The first minibatch's are those of its own update forward (no update has happened yet: the same
-    # bits as a no-grad pass, tested), so only the later minibatches' rows get a no-grad pass here.
+
+def response_batch(samples):
+    """(ids, attention mask, response mask over positions t -> token t+1, the engine's logprobs there)."""
     ids, attn = pad_batch([s.ids for s in samples])
     resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     inf_lp = torch.zeros_like(resp)
@@ -349,6 +348,18 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
         a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
         resp[i, a:b] = 1
         inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
+    return ids, attn, resp, inf_lp
+
+
+def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+    t0 = time.perf_counter()
+    samples, rewards = rollout(cfg, step, engine, exclude)
+    t_rollout = time.perf_counter()
+
+    # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
+    # The first minibatch's are those of its own update forward (no update has happened yet: the same
+    # bits as a no-grad pass, tested), so only the later minibatches' rows get a no-grad pass here.
+    ids, attn, resp, inf_lp = response_batch(samples)
     minibatches = minibatch_rows(cfg, step, len(samples))
     old_lp, entropy = torch.zeros_like(resp), torch.zeros_like(resp)
     score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy)

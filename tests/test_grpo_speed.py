@@ -50,18 +50,8 @@ def test_row_logprobs_ignore_other_rows_and_padding(configuration):
 def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     """The GRPO step as it was before the speed work: every row scored in one no-grad pass at the batch's
     width, then each minibatch's forward and update. Kept to prove the fast step computes the same bits."""
-    problems = grpo.training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
-    groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False)
-    samples = [s for g in groups for s in g]
-    rewards = np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
-    ids, attn = pad_batch([s.ids for s in samples])
-    resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    inf_lp = torch.zeros_like(resp)
-    for i, s in enumerate(samples):
-        a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
-        resp[i, a:b] = 1
-        inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
+    samples, rewards = grpo.rollout(cfg, step, engine, exclude)
+    ids, attn, resp, inf_lp = grpo.response_batch(samples)
     with torch.no_grad():
         old_lp, entropy = policy.logprobs(ids, attn, grad=False)
     lengths = resp.sum(1).long()
