@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rla_lib import align as rla
+from rla_lib.kl import bootstrap_indices
 from rla_lib.machine import use_bf16_matmul
 from rla_lib.paths import MODELS_DIR
 from rla_lib.report import save_table
@@ -112,8 +113,7 @@ def step_memory(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
 def ratio_ci(times: list[float], stock: list[float], n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """Geometric mean of the per-round ratios times/stock and its 95% bootstrap CI (rounds resampled)."""
     logs = np.log(np.asarray(times) / np.asarray(stock))
-    idx = np.random.default_rng(seed).integers(0, len(logs), (n_boot, len(logs)))
-    low, high = np.percentile(logs[idx].mean(1), [2.5, 97.5])
+    low, high = np.quantile(logs[bootstrap_indices(len(logs), n_boot, seed)].mean(1), [0.025, 0.975])
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 

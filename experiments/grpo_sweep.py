@@ -24,8 +24,13 @@ import datetime
 import json
 import subprocess
 
-from rla_lib.grpo import CONFIGURATIONS, sweep_sidecar_path
-from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write
+import pandas as pd
+
+from rla_lib import grpo
+from rla_lib.grpo import CONFIGURATIONS
+from rla_lib.stability import summarize, sweep_sidecar_path
+from rla_lib.report import git_commit
+from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
 
 OUT = RESULTS_DIR / "grpo_sweep"
 SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
@@ -50,7 +55,7 @@ def planned_runs(only=None, seeds=None, configs=None):
             for name in names:
                 if configs and name not in configs:
                     continue
-                run_id = f"{tag}-s{seed}-{name.replace(' ', '_').replace(',', '')}"
+                run_id = f"{tag}-s{seed}-{slug(name)}"
                 yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **CONFIGURATIONS[name], seed=seed)
 
 
@@ -75,20 +80,16 @@ def git(*args) -> str:
 def sidecar_from_git() -> None:
     """The sidecar of a histories file collected before sidecars existed: date and commit of the commit that
     last changed it (a54ec1f for the shipped one, whose grid is the one above)."""
-    import pandas as pd
-
     path = str(SHIPPED.relative_to(ROOT))
     written, commit = git("log", "-1", "--format=%cI", "--", path), git("log", "-1", "--format=%h", "--", path)
     write_sidecar(written, commit, runs=pd.read_csv(SHIPPED)["run"].nunique(),
                   note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
 
 
-def collect(runs) -> tuple["pd.DataFrame", list[str]]:
+def collect(runs) -> tuple[pd.DataFrame, list[str]]:
     """Histories of every planned run: from `results/grpo_sweep/` where it ran here, else kept from the shipped
     file (so re-running one arm, e.g. `--configs "default BF16, 3-bit rollouts"`, replaces just that arm).
     Returns the histories and the ids of the runs taken from `results/`."""
-    import pandas as pd
-
     shipped = pd.read_csv(SHIPPED) if SHIPPED.exists() else pd.DataFrame(columns=["run"])
     frames, fresh = [], []
     for run_id, labels, _ in runs:
@@ -114,23 +115,19 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         sidecar_from_git()
         raise SystemExit(f"wrote {sweep_sidecar_path(SHIPPED).relative_to(ROOT)}")
 
-    from rla_lib import grpo
-
     k, n = map(int, args.shard.split("/"))
     if args.configs and set(args.configs) - set(CONFIGS):
         parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(CONFIGS))}; choose from {CONFIGS}")
     runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))[k::n]
     todo = [] if args.collect_only else [(grpo.GRPOConfig(**settings), OUT / run_id) for run_id, _, settings in runs]
     for i, (cfg, out, h) in enumerate(grpo.run_many(todo, progress=False), 1):  # engines shared across runs
-        s = grpo.summarize(h, eval_prompts=cfg.eval_prompts)
+        s = summarize(h, eval_prompts=cfg.eval_prompts)
         print(f"[{i}/{len(todo)}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
               f"{s['eval acc last']:.3f}   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)
 
     every = list(planned_runs())
     data, fresh = collect(every)
     atomic_write(SHIPPED, lambda tmp: data.to_csv(tmp, index=False, float_format="%.6g", compression="gzip"))
-    from rla_lib.report import git_commit
-
     kept = data["run"].nunique() - len(fresh)
     write_sidecar(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit(), data["run"].nunique(),
                   note=None if not kept else f"{len(fresh)} runs collected from results/grpo_sweep now ({', '.join(fresh)}); "

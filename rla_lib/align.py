@@ -2,8 +2,8 @@
 
 An engine such as vLLM compiles the model so that chains of pointwise ops run as one kernel that keeps
 its intermediates in FP32 and rounds to BF16 only at the kernel's output. Eager Transformers rounds to
-BF16 after every op. `align(model)` makes the training side round where the engine rounds, in three
-regions, without touching matmuls, attention kernels or the objective:
+BF16 after every op. `align(model)` makes the training side round where the engine rounds, in the
+paper's three regions (`REGIONS`), without touching matmuls, attention kernels or the objective:
 
 - `"rope"`: Qwen3's per-head Q/K RMSNorm (weight multiply included) and the rotary products and their
   sum stay in FP32, with cos/sin recomputed in FP32 (not the BF16-cast ones) from FP32 frequencies (if
@@ -17,6 +17,11 @@ regions, without touching matmuls, attention kernels or the objective:
   `post_attention_layernorm`, the next layer's `input_layernorm` and the final `model.norm`, so decoder
   layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
   norm outputs the model dtype for `lm_head`.
+
+A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention
+kernel of the model's `attn_implementation` with the engine's numerics (`rla_lib.attention`), per module
+instance (nothing is registered globally). It reads the mask Transformers built for the model (eager or
+sdpa), so padding and sliding windows are kept; it refuses attention dropout (the engine has none).
 
 Options (`AlignOptions`, passed as keyword arguments of `align`) pick the details where engines differ.
 The defaults are the paper's; an option of a region that is not enabled is accepted and has no effect.
@@ -36,6 +41,10 @@ The defaults are the paper's; an option of a region that is not enabled is accep
   aligned version, forward and backward (the tests check it); the Q/K norm, the residual norms and
   SiLU's backward stay eager because their compiled float op order differs. Needs what
   `torch.compile` needs (a C++ compiler on CPU) and compiles on first use.
+- `attention`: the "attention" region's numerics. `"fp32"` (default): scores q·kᵀ·scale (+ mask), softmax and
+  P·V in FP32 from the BF16 q/k/v, the output rounded once (vLLM's CPU attention, flash-attention style
+  kernels); `"p_bf16"`: the same with P rounded to BF16 before P·V; `"eager"`: Transformers' eager attention
+  (scores and P in BF16), whatever `attn_implementation` the model was loaded with.
 
 "Rounding" is `.to(dtype)` (round to nearest even) to the model dtype, so an FP32 model is unchanged,
 bit for bit. Autocast is not supported: the rounding targets are read from weight and activation dtypes.
@@ -46,6 +55,7 @@ transformers 5.19.0; `align` refuses to run if any function it replaces or relie
 
     handle = align(model)                  # all three regions, paper semantics
     handle = align(model, ("rope",), rope_cos_sin="bf16")
+    handle = align(model, (*REGIONS, "attention"), attention="p_bf16")
     handle.undo()                          # stock again, bit for bit
     with aligned(model, ("swiglu",)):
         ...
@@ -66,13 +76,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from transformers import masking_utils
+from transformers.integrations import sdpa_attention
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
+from .attention import KERNELS as ATTENTION_KERNELS
 
-REGIONS = ("rope", "swiglu", "residual_norm")
+
+REGIONS = ("rope", "swiglu", "residual_norm")  # the paper's
+ALL_REGIONS = (*REGIONS, "attention")
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 _STATE_ATTR = "_rla_alignment"
@@ -87,6 +102,7 @@ class AlignOptions:
     norm_weight: str = "stock"
     residual_stream: str = "bf16"
     fused: bool = False
+    attention: str = "fp32"
 
     CHOICES = {
         "rope_cos_sin": ("fp32", "bf16"),
@@ -94,6 +110,7 @@ class AlignOptions:
         "norm_weight": ("stock", "fp32"),
         "residual_stream": ("bf16", "fp32"),
         "fused": (False, True),
+        "attention": tuple(ATTENTION_KERNELS),
     }
 
     def __post_init__(self):
@@ -112,8 +129,9 @@ class AlignOptions:
 
 # --------------------------------------------------------------------------------------------------
 # Guard: the aligned forwards below are rewrites of these stock functions (or rely on them, e.g. the
-# model loop carrying hidden states from layer to layer into the final norm). If Transformers changes
-# any of them, the rewrite could silently drop a fix or a feature, so we refuse instead.
+# model loop carrying hidden states from layer to layer into the final norm, or the masks the attention
+# region reads). If Transformers changes any of them, the rewrite could silently drop a fix or a
+# feature, so we refuse instead.
 # --------------------------------------------------------------------------------------------------
 
 _WRITTEN_AGAINST = "transformers 5.19.0"
@@ -127,6 +145,8 @@ _STOCK_SOURCE_SHA256 = {
     "qwen2.Qwen2Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
     "qwen2.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
     "qwen2.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
+    "qwen2.eager_attention_forward": "cb34ccea28710ae8d5d94a241b704ea3d974048f85372f0b1b3c2a8a2ef1ee20",
+    "qwen2.repeat_kv": "e9b1ad4a8df3194d5b12f94567c3a2dfed2c0d9833af1b8f775e5875575ff9c4",
     "qwen3.Qwen3RMSNorm.forward": "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f",
     "qwen3.Qwen3MLP.forward": "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b",
     "qwen3.Qwen3Attention.forward": "6c8fb032ff3742438fb80dab4427c11ef04e12fdc02f08abd11ff5adaa0fd1c3",
@@ -136,7 +156,14 @@ _STOCK_SOURCE_SHA256 = {
     "qwen3.Qwen3Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
     "qwen3.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
     "qwen3.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
+    "qwen3.eager_attention_forward": "cb34ccea28710ae8d5d94a241b704ea3d974048f85372f0b1b3c2a8a2ef1ee20",
+    "qwen3.repeat_kv": "e9b1ad4a8df3194d5b12f94567c3a2dfed2c0d9833af1b8f775e5875575ff9c4",
+    # Shared by both families: the masks the attention region reads (SDPA's None stands for `is_causal`).
+    "masking_utils.eager_mask": "0ab0b7aa8e039a2c9fe1e242801c06256f0f3e0db510c85be85753565f878cc7",
+    "masking_utils._ignore_causal_mask_sdpa": "60d5f943b631711f632e335ccf1f4a710537fe3eda9dc28b31478dffa8abdf1c",
+    "sdpa_attention.sdpa_attention_forward": "6a965ca3df2d5f0856625f6259718f9645cfc4ab54e2bd56173af4faa3f056e4",
 }
+_SHARED_MODULES = {"masking_utils": masking_utils, "sdpa_attention": sdpa_attention}
 
 
 @dataclass(frozen=True)
@@ -164,16 +191,17 @@ _FAMILIES = (
 
 
 def _check_stock_source(family: _Family) -> None:
+    modules = {family.name: family.modeling, **_SHARED_MODULES}
     for key, expected in _STOCK_SOURCE_SHA256.items():
         name, _, qualname = key.partition(".")
-        if name != family.name:
+        if name not in modules:
             continue
-        obj = family.modeling
+        obj = modules[name]
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if hashlib.sha256(inspect.getsource(obj).encode()).hexdigest() != expected:
             raise RuntimeError(
-                f"{family.modeling.__name__}.{qualname} differs from the {_WRITTEN_AGAINST} code that "
+                f"{modules[name].__name__}.{qualname} differs from the {_WRITTEN_AGAINST} code that "
                 "rla_lib.align was written against, so the aligned forwards may no longer match it. Install "
                 "transformers==5.19.0, or port the aligned forwards in rla_lib/align.py to the new code and "
                 "then update _STOCK_SOURCE_SHA256."
@@ -285,34 +313,50 @@ def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module) -> None:
 
 
 def _attention_forward(
-    self, hidden_states, position_embeddings, attention_mask, past_key_values=None, *, options, **kwargs
+    self,
+    hidden_states,
+    position_embeddings,
+    attention_mask,
+    past_key_values=None,
+    *,
+    rope,
+    attention,
+    options,
+    **kwargs,
 ):
+    """`rope` and `attention` say which of the two regions in this forward are on (the other runs stock)."""
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
+    qk_norm = options.rope_qk_norm if rope else "stock"
 
     query_states = self.q_proj(hidden_states).view(hidden_shape)
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3
-        query_states = _qk_norm(self.q_norm, query_states, options.rope_qk_norm)
-        key_states = _qk_norm(self.k_norm, key_states, options.rope_qk_norm)
+        query_states = _qk_norm(self.q_norm, query_states, qk_norm)
+        key_states = _qk_norm(self.k_norm, key_states, qk_norm)
     query_states = query_states.transpose(1, 2)
     key_states = key_states.transpose(1, 2)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    # Rotary in FP32 (cos/sin are FP32 already unless rope_cos_sin="bf16"), one rounding of Q and K.
     cos, sin = position_embeddings
-    rotary = _compiled(_rotary_fp32) if options.fused else _rotary_fp32
-    query_states, key_states = rotary(
-        modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype
-    )
+    if rope:  # Rotary in FP32 (cos/sin are FP32 already unless rope_cos_sin="bf16"), one rounding of Q and K.
+        rotary = _compiled(_rotary_fp32) if options.fused else _rotary_fp32
+        query_states, key_states = rotary(
+            modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype
+        )
+    else:
+        query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, modeling.eager_attention_forward
-    )
+    if attention:  # the engine's attention numerics, in place of the model's attn_implementation
+        attention_interface = ATTENTION_KERNELS[options.attention]
+    else:
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, modeling.eager_attention_forward
+        )
 
     attn_output, attn_weights = attention_interface(
         self,
@@ -408,13 +452,13 @@ class Alignment:
             self._restore()
             delattr(self._base_model, _STATE_ATTR)
 
-    def _patch(self, module: nn.Module, forward) -> None:
+    def _patch(self, module: nn.Module, forward, **bound) -> None:
         if "forward" in module.__dict__:
             raise RuntimeError(
                 f"{type(module).__name__} instance already has a patched forward from elsewhere; "
                 "rla_lib.align only patches stock modules."
             )
-        module.forward = types.MethodType(functools.partial(forward, options=self.options), module)
+        module.forward = types.MethodType(functools.partial(forward, options=self.options, **bound), module)
         self._patched.append(module)
 
     def _replace_buffer(self, module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -455,10 +499,10 @@ def _check_dtype(model: nn.Module) -> None:
 
 def _normalize_regions(regions: Iterable[str] | str) -> tuple[str, ...]:
     regions = (regions,) if isinstance(regions, str) else tuple(regions)
-    unknown = [r for r in regions if r not in REGIONS]
+    unknown = [r for r in regions if r not in ALL_REGIONS]
     if unknown:
-        raise ValueError(f"unknown region(s) {unknown}; known regions: {', '.join(REGIONS)}.")
-    return tuple(r for r in REGIONS if r in regions)
+        raise ValueError(f"unknown region(s) {unknown}; known regions: {', '.join(ALL_REGIONS)}.")
+    return tuple(r for r in ALL_REGIONS if r in regions)
 
 
 def _check_modules(family: _Family, base: nn.Module) -> None:
@@ -486,7 +530,8 @@ def align(
 ) -> Alignment:
     """Round `model` (a Qwen2/Qwen3 *ForCausalLM or *Model) where the engine rounds, in place.
 
-    `regions` is a subset of `REGIONS`; options come as keyword arguments (or one `AlignOptions`).
+    `regions` is a subset of `ALL_REGIONS` (default: the paper's `REGIONS`); options come as keyword
+    arguments (or one `AlignOptions`).
     Replaces any previous alignment of the model (if this raises, the model is left stock).
     Returns a handle; `handle.undo()` restores stock.
     """
@@ -501,6 +546,11 @@ def align(
 
     if options.fused and "swiglu" in regions and base.config.hidden_act not in ("silu", "swish"):
         raise ValueError(f"fused=True implements SwiGLU with SiLU, but hidden_act is {base.config.hidden_act!r}.")
+    if "attention" in regions and any(layer.self_attn.attention_dropout for layer in base.layers):
+        raise ValueError(
+            f"the attention region has no attention dropout (the engine has none), but attention_dropout is "
+            f"{base.config.attention_dropout}: set it to 0 to align attention."
+        )
 
     unalign(base)
     handle = Alignment(base, regions, options)
@@ -509,8 +559,11 @@ def align(
             _use_fp32_rope_frequencies(handle, base.rotary_emb)
             if options.rope_cos_sin == "fp32":
                 handle._patch(base.rotary_emb, _rotary_forward)
+        if "rope" in regions or "attention" in regions:
             for layer in base.layers:
-                handle._patch(layer.self_attn, _attention_forward)
+                handle._patch(
+                    layer.self_attn, _attention_forward, rope="rope" in regions, attention="attention" in regions
+                )
         if "swiglu" in regions:
             for layer in base.layers:
                 handle._patch(layer.mlp, _mlp_forward)
@@ -562,4 +615,4 @@ def aligned(
             align(model, previous[0], options=previous[1])
 
 
-__all__ = ["REGIONS", "AlignOptions", "Alignment", "align", "aligned", "current", "unalign"]
+__all__ = ["ALL_REGIONS", "REGIONS", "AlignOptions", "Alignment", "align", "aligned", "current", "unalign"]

@@ -30,21 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+from safetensors.torch import save_file
 
 from .machine import separate_compile_caches, with_child_site
-from .models import ModelSpec, resolve_model
+from .models import ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .paths import ROOT
 from .progress import vllm_bar
 
 MODES = ("compiled", "eager")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-
-
-def normalize_dtype(dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be bfloat16 or float32 (the two this project compares), got {dtype!r}")
-    return DTYPES[name]
 
 
 def configure_environment() -> None:
@@ -58,6 +52,7 @@ def configure_environment() -> None:
     # (rotary) or with tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the engine core's NUMA-binding notice at every start
+    os.environ.setdefault("RLA_VLLM_IDLE_SPIN_S", "0")  # no core-long spin after each request (rla_lib/child_site)
     # the engine's processes apply that level before vLLM's import-time warnings (rla_lib/child_site)
     os.environ["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
 
@@ -78,8 +73,6 @@ def import_vllm():
 def bf16_linear(weight):
     """(name, fn): the BF16 linear vLLM-CPU runs for `weight` on this CPU, as its dispatch picks it
     (model_executor/layers/utils.py): oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""
-    import torch
-
     import_vllm()
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
@@ -105,6 +98,11 @@ class Sample:
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+    @property
+    def response_start(self) -> int:
+        """Where the response begins in per-position scores of `ids` (entry t scores token t+1)."""
+        return len(self.prompt_ids) - 1
 
 
 @dataclass
@@ -147,14 +145,13 @@ class Engine:
         vllm = import_vllm()
         self._vllm = vllm
         self.max_model_len = max_model_len or min(self.spec.max_position_embeddings, 4096)
-        full_vocab_ok = self.spec.vocab_size <= 4096
         self.llm = vllm.LLM(
             model=str(self.spec.path),
             dtype=self.dtype,
             seed=seed,
             max_model_len=self.max_model_len,
             enforce_eager=(mode == "eager"),
-            max_logprobs=-1 if full_vocab_ok else 64,
+            max_logprobs=-1 if self.spec.small_vocab else 64,
             worker_extension_cls="rla_lib.engine.WorkerExtension",
             # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
             **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs"} | llm_kwargs,
@@ -173,8 +170,6 @@ class Engine:
         from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
         not depend on how prompts are batched.
         """
-        from vllm.inputs import TokensPrompt
-
         prompt_ids = [self._to_ids(p) for p in prompts]
         params = [
             self._vllm.SamplingParams(
@@ -183,7 +178,7 @@ class Engine:
             )
             for i in range(len(prompt_ids))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+        outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
                                     use_tqdm=vllm_bar(progress, "vLLM sampling"))
         groups = []
         for ids, out in zip(prompt_ids, outputs):
@@ -215,18 +210,16 @@ class Engine:
         distribution is available (small vocabularies); refused otherwise, as top-k logprobs
         cannot be renormalised.
         """
-        from vllm.inputs import TokensPrompt
-
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         tempered = temperature != 1.0
-        if (full_vocab or tempered) and self.spec.vocab_size > 4096:
+        if (full_vocab or tempered) and not self.spec.small_vocab:
             raise ValueError(f"full_vocab and temperature != 1 need the full distribution, so a small vocabulary; "
                              f"this model has {self.spec.vocab_size}. Use top_k at temperature 1.")
         k = -1 if (full_vocab or tempered) else top_k
         seqs = [self._to_ids(s) for s in sequences]
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params,
+        outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
                                     use_tqdm=vllm_bar(progress, "vLLM scoring"))
         results = []
         for ids, out in zip(seqs, outputs):
@@ -248,8 +241,6 @@ class Engine:
     @staticmethod
     def _temper(ids, full, temperature: float, full_vocab: bool, top_k: int):
         """Token logprobs and the returned `full` at temperature T, from the full T=1 distribution."""
-        import torch
-
         logp = torch.log_softmax(torch.from_numpy(full) / temperature, dim=-1).numpy()
         token_lp = logp[np.arange(len(ids) - 1), ids[1:]]
         if full_vocab:
@@ -270,14 +261,10 @@ class Engine:
         The weights go through a safetensors file in a RAM-backed folder: on CPU vLLM repacks
         each linear layer for oneDNN, so only its own checkpoint loader can refresh them.
         """
-        import torch
-        from safetensors.torch import save_file
-
         state = source.state_dict() if hasattr(source, "state_dict") else dict(source)
         if self.spec.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
-        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
-        state = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in state.items()}
+        state = {k: v.detach().to("cpu", torch_dtype(self.dtype)).contiguous() for k, v in state.items()}
         if self._weights_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self._weights_dir = tempfile.mkdtemp(prefix="rla-weights-", dir=base)
@@ -286,6 +273,71 @@ class Engine:
         if self.spec.tie_word_embeddings:
             self.llm.collective_rpc("refresh_tied_lm_head")
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
+
+    # ---- vLLM internals that rla_lib.graphs reads (its captures run the engine core in-process) --------
+    _MODEL_PATHS = ("llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
+                    "llm_engine.model_executor.driver_worker.worker.model_runner.model",
+                    "llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.model")
+
+    def model_module(self):
+        """The nn.Module vLLM runs (with its `logits_processor`); needs VLLM_ENABLE_V1_MULTIPROCESSING=0."""
+        for path in self._MODEL_PATHS:
+            obj = self.llm
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            model = getattr(obj, "model", obj) if not hasattr(obj, "logits_processor") else obj
+            if hasattr(model, "logits_processor"):
+                return model
+            if hasattr(obj, "logits_processor"):
+                return obj
+        raise RuntimeError("could not find vLLM's model object in the in-process engine (vLLM internals changed?)")
+
+    def compilation_info(self) -> dict:
+        """The vLLM version, device and compilation settings this engine runs with."""
+        config = self.llm.llm_engine.vllm_config
+        cc = config.compilation_config
+        return {"vllm": self._vllm.__version__, "device": str(getattr(config.device_config, "device", "cpu")),
+                "compilation": {"mode": str(getattr(cc, "mode", "")), "backend": str(getattr(cc, "backend", "")),
+                                "custom_ops": list(getattr(cc, "custom_ops", []) or []),
+                                "splitting_ops": list(getattr(cc, "splitting_ops", []) or [])}}
+
+    def probe_rotary_kernel(self, device="cpu", seed=0) -> dict:
+        """Bitwise test of vLLM's rotary kernel against two roundings: FP32 math rounded once, or BF16 ops."""
+        from vllm import _custom_ops as ops
+
+        g = torch.Generator().manual_seed(seed)
+        T, hq, hk, d, max_pos = 48, 4, 2, 64, 64
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.einsum("i,j -> ij", torch.arange(max_pos, dtype=torch.float), inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16).to(device)
+        q = torch.randn(T, hq * d, generator=g).to(torch.bfloat16).to(device)
+        k = torch.randn(T, hk * d, generator=g).to(torch.bfloat16).to(device)
+        pos = torch.randint(0, max_pos, (T,), generator=g).to(device)
+        q_out, k_out = q.clone(), k.clone()
+        ops.rotary_embedding(pos, q_out, k_out, d, cache, True)
+        cos, sin = cache[pos].chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+
+        def fp32_round_once(x, h):
+            x = x.view(T, h, d).float()
+            x1, x2 = x[..., : d // 2], x[..., d // 2:]
+            c, s = cos.float(), sin.float()
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(torch.bfloat16).view(T, h * d)
+
+        def bf16_every_op(x, h):
+            x = x.view(T, h, d)
+            x1, x2 = x[..., : d // 2], x[..., d // 2:]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).view(T, h * d)
+
+        res = {}
+        for name, fn in (("fp32_round_once", fp32_round_once), ("bf16_every_op", bf16_every_op)):
+            res[name] = torch.cat([(fn(q, hq) == q_out).flatten(), (fn(k, hk) == k_out).flatten()]).float().mean().item()
+        res["best"] = max(("fp32_round_once", "bf16_every_op"), key=lambda n: res[n])
+        res["note"] = "fraction of q/k elements bitwise equal to each emulation (48 tokens, random q/k, BF16 cos_sin_cache)"
+        return res
 
     # ---- housekeeping -------------------------------------------------------------------
     def _to_ids(self, prompt) -> list[int]:

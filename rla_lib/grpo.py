@@ -40,9 +40,12 @@ import torch
 
 from . import task
 from .align import REGIONS, align
-from .kl import MismatchMonitor
-from .models import load_model
+from .engine import Engine
+from .engine_align import engine_schedule_for
+from .graphs import schedule_to_align_kwargs
+from .kl import MONITOR_COLUMNS, MismatchMonitor
 from .machine import machine
+from .models import load_model
 from .paths import atomic_write
 from .progress import bar
 from .rounding import round_mantissa
@@ -104,6 +107,18 @@ CONFIGURATIONS = {
     "default BF16 + TIS": dict(tis_cap=2.0),
     "default BF16, 3-bit rollouts": dict(rollout_mantissa_bits=3),  # a deliberately larger mismatch
 }
+ENGINE_SCHEDULE = "engine schedule"  # aligned to the engine's own rounding schedule, attention included
+
+
+def configuration(name: str, model: str, engine_mode: str = "compiled") -> dict:
+    """GRPOConfig settings of a named configuration: one of `CONFIGURATIONS`, or `ENGINE_SCHEDULE`, read for this
+    model and engine mode on this machine (`rla_lib.engine_align.engine_schedule_for`: kept, or read and probed)."""
+    if name == ENGINE_SCHEDULE:
+        regions, options = schedule_to_align_kwargs(engine_schedule_for(model, engine_mode))
+        return dict(regions=regions, align_options=options, engine_mode=engine_mode)
+    if name not in CONFIGURATIONS:
+        raise ValueError(f"unknown configuration {name!r}; choose from {[*CONFIGURATIONS, ENGINE_SCHEDULE]}")
+    return CONFIGURATIONS[name]
 
 
 # ---- the objective ---------------------------------------------------------------------------
@@ -241,8 +256,6 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     Pass an open `Engine` (in the run's precision) to reuse it across runs: its weights are reset
     to the run's starting weights first.
     """
-    from .engine import Engine
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "config.json"
@@ -277,7 +290,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     if not history:  # step 0: the held-out accuracy before any update, the start of every curve
         history.append(dict(step=0, eval_prompts=len(eval_split), **evaluate_run(cfg, policy, engine, eval_split)))
     for row in history[1:]:
-        monitor.rows.append({k: row[k] for k in ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")})
+        monitor.rows.append({k: row[k] for k in MONITOR_COLUMNS})
     try:
         for step in bar(range(start, cfg.steps + 1), progress, initial=start - 1, total=cfg.steps, desc=out_dir.name):
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
@@ -295,8 +308,6 @@ def run_many(runs, progress: bool | None = None):
 
     Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end.
     """
-    from .engine import Engine
-
     engines = {}
     try:
         for cfg, out_dir in runs:
@@ -345,9 +356,9 @@ def response_batch(samples):
     resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     inf_lp = torch.zeros_like(resp)
     for i, s in enumerate(samples):
-        a, b = len(s.prompt_ids) - 1, len(s.ids) - 1
-        resp[i, a:b] = 1
-        inf_lp[i, a:b] = torch.from_numpy(s.logprobs)
+        response = slice(s.response_start, len(s.ids) - 1)
+        resp[i, response] = 1
+        inf_lp[i, response] = torch.from_numpy(s.logprobs)
     return ids, attn, resp, inf_lp
 
 
@@ -377,7 +388,7 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
     monitor.update(step, [s.logprobs for s in samples],
-                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+                   [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))])
     t_update = time.perf_counter()
     engine.load_weights(policy.rollout_weights())
     t_sync = time.perf_counter()
@@ -393,136 +404,3 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     if step % cfg.eval_every == 0:
         row.update(evaluate_run(cfg, policy, engine, eval_split))
     return row
-
-
-# ---- reading the results -------------------------------------------------------------------
-# A held-out accuracy is a binomial proportion over `n` problems: standard error sqrt(p (1 - p) / n),
-# about 3 points at n = 256. A drop counts only beyond NOISE_Z combined standard errors of the two
-# evaluations compared. Two, not one: the peak is the maximum over several noisy evaluations, so it is
-# biased upwards (by about one SE with a handful of evaluations); one SE would flag flat runs.
-NOISE_Z = 2.0
-
-
-def binomial_se(p, n: int):
-    """Standard error of an accuracy p measured on n problems."""
-    return np.sqrt(np.asarray(p) * (1 - np.asarray(p)) / n)
-
-
-def accuracy_verdict(steps, accuracies, n: int) -> dict:
-    """Did a run degrade (rose, then fell beyond noise) or diverge at once (never improved, fell beyond noise)?
-
-    `steps`, `accuracies`: the evaluations in order (step 0 = before training); `n`: problems per evaluation.
-    degraded: the peak comes after step 0 and the last evaluation is below it by more than the margin.
-    diverged: the best evaluation is step 0 and the last is below it by more than the margin.
-    margin = NOISE_Z * sqrt(se(peak)^2 + se(last)^2).
-    """
-    steps, acc = np.asarray(steps), np.asarray(accuracies, dtype=float)
-    if len(acc) == 0:
-        return dict(degraded=False, diverged=False, margin=float("nan"), peak_step=float("nan"))
-    i = int(np.argmax(acc))  # the first maximum: a tie with step 0 counts as never improved
-    peak, last = acc[i], acc[-1]
-    margin = float(NOISE_Z * np.hypot(binomial_se(peak, n), binomial_se(last, n)))
-    fell = bool(peak - last > margin)
-    return dict(degraded=fell and bool(steps[i] > 0), diverged=fell and bool(steps[i] == 0), margin=margin,
-                peak_step=int(steps[i]))
-
-
-def eval_problems(history: pd.DataFrame, eval_prompts: int | None = None) -> int:
-    """Problems per held-out evaluation: the argument if given, else the history's `eval_prompts` column."""
-    if eval_prompts is not None:
-        return int(eval_prompts)
-    if "eval_prompts" in history and history["eval_prompts"].notna().any():
-        values = history["eval_prompts"].dropna().unique()
-        if len(values) == 1:
-            return int(values[0])
-    raise ValueError("the history does not say how many problems each evaluation used (no single `eval_prompts` "
-                     "value): pass eval_prompts= (the settings search used 256, recorded in its sidecar JSON)")
-
-
-def _accuracy_columns(ev: pd.DataFrame, column: str, label: str) -> dict:
-    acc = ev[column]
-    return {f"{label} first": acc.iloc[0], f"{label} peak": acc.max(), f"{label} last": acc.iloc[-1]}
-
-
-def summarize(history: pd.DataFrame, eval_prompts: int | None = None) -> pd.Series:
-    """One run in a row: reward and held-out accuracy early/peak/late, whether it degraded or diverged
-    (`accuracy_verdict`, with the margin used), mismatch, clip fraction, step time.
-
-    "eval acc first" is the accuracy before training (step 0). With coarse rollouts, "eval acc policy ..."
-    is the trained BF16 policy's own accuracy (the engine's coarse copy is "eval acc ...").
-    `eval_prompts`: problems per evaluation; default from the history's `eval_prompts` column.
-    """
-    n = eval_problems(history, eval_prompts)
-    ev = history.dropna(subset=["eval_accuracy"])
-    h = history[history["step"] > 0]
-    k = max(1, len(h) // 5)
-    nan = float("nan")
-    accuracy = _accuracy_columns(ev, "eval_accuracy", "eval acc") if len(ev) else dict.fromkeys(
-        ["eval acc first", "eval acc peak", "eval acc last"], nan)
-    out = pd.Series({
-        "reward first 20%": h["reward"].head(k).mean(), "reward last 20%": h["reward"].tail(k).mean(), **accuracy,
-        "k3 mean (1e-4)": h["k3"].mean(), "k3 first 20% (1e-4)": h["k3"].head(k).mean(),
-        "k3 last 20% (1e-4)": h["k3"].tail(k).mean(),
-        "sampled KL mean (1e-4)": h["sampled_kl"].mean(), "entropy last 20%": h["entropy"].tail(k).mean(),
-        "clip frac": h["clip_frac"].mean(),
-        "step seconds": h[["t_rollout", "t_score", "t_update", "t_sync"]].sum(1).median(),
-    })
-    if "eval_accuracy_policy" in history and history["eval_accuracy_policy"].notna().any():
-        out = pd.concat([out, pd.Series(_accuracy_columns(history.dropna(subset=["eval_accuracy_policy"]),
-                                                          "eval_accuracy_policy", "eval acc policy"))])
-    verdict = accuracy_verdict(ev["step"], ev["eval_accuracy"], n)
-    out["drop from peak"] = out["eval acc peak"] - out["eval acc last"]
-    out["noise margin"] = verdict["margin"]
-    out["eval problems"] = n
-    out["degraded"], out["diverged"] = verdict["degraded"], verdict["diverged"]
-    return out
-
-
-FLAGS = ("degraded", "diverged")
-
-
-def compare_seeds(histories: pd.DataFrame, by=("config",), eval_prompts: int | None = None) -> pd.DataFrame:
-    """Runs that differ only by seed, side by side: mean and standard error over seeds of each summary.
-
-    `histories` stacks run histories with a `run` column naming each run and the `by` columns labelling
-    its settings. Returns one row per setting, columns (metric, "mean" | "se"), plus `seeds`, `degraded`
-    and `diverged` (how many of the seeds did). `eval_prompts` as in `summarize`.
-    """
-    by = list(by)
-    runs = histories.groupby("run", sort=False)  # settings keep the order they first appear in
-    per_run = pd.DataFrame({run: summarize(h, eval_prompts).rename(None) for run, h in runs}).T
-    labels = runs[by].first()
-    per_run = per_run.join(labels)
-    metrics = [c for c in per_run.columns if c not in by and c not in FLAGS]
-    per_run[metrics] = per_run[metrics].astype(float)
-    g = per_run.groupby(by, sort=False)
-    table = pd.concat({"mean": g[metrics].mean(), "se": g[metrics].sem()}, axis=1).swaplevel(axis=1)
-    table = table[[(m, s) for m in metrics for s in ("mean", "se")]]
-    table[("seeds", "")] = g.size()
-    for flag in FLAGS:
-        table[(flag, "")] = g[flag].apply(lambda c: int(c.astype(bool).sum()))
-    return table
-
-
-def seed_difference(table: pd.DataFrame, a, b, metric: str = "eval acc last", metric_b: str | None = None) -> tuple[float, float]:
-    """Difference of seed means a - b of `metric` in a `compare_seeds` table, and its standard error.
-
-    `metric_b` (default: `metric`) is b's metric, e.g. the 3-bit arm's trained-policy accuracy against a plain
-    run's accuracy (which is its policy's: the engine holds the policy's own weights there)."""
-    metric_b = metric_b or metric
-    (ma, sa), (mb, sb) = table.loc[a, [(metric, "mean"), (metric, "se")]], table.loc[b, [(metric_b, "mean"), (metric_b, "se")]]
-    return float(ma - mb), float(np.hypot(sa, sb))
-
-
-# ---- the settings search's shipped histories ------------------------------------------------
-def sweep_sidecar_path(histories_path) -> Path:
-    """`histories.csv.gz` -> `histories.json`: where the search records when and from what it was collected."""
-    path = Path(histories_path)
-    return path.with_name(path.name.split(".")[0] + ".json")
-
-
-def load_sweep(histories_path) -> tuple[pd.DataFrame, dict]:
-    """The stacked per-step histories of a settings search and its sidecar ({} if it has none)."""
-    sidecar = sweep_sidecar_path(histories_path)
-    meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
-    return pd.read_csv(histories_path), meta

@@ -30,6 +30,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
@@ -141,6 +142,10 @@ class Difference:
     def __str__(self):
         return (f"{_percent(self.relative)} [{_percent(self.rel_ci_low)}, {_percent(self.rel_ci_high)}] "
                 f"({self.a:.3g} -> {self.b:.3g}{_unit_label(self.unit)}, {self.n_clusters} prompts)")
+
+    def verdict(self, lower: str, higher: str, same: str) -> str:
+        """Words for b against a: `lower` if the CI of b - a lies below 0, `higher` if above, else `same`."""
+        return lower if self.diff_ci_high < 0 else higher if self.diff_ci_low > 0 else same
 
     def as_row(self) -> dict:
         """A flat dict for a table row (every field, plus `separated`)."""
@@ -274,6 +279,8 @@ def compare(pairs: list[dict], estimators=("sampled", "k3", "exact"), clusters=N
 
 
 # ---- a monitor for any training loop ----------------------------------------------------
+MONITOR_COLUMNS = ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")  # one row per step
+
 class MismatchMonitor:
     """Feed it the inference and training logprobs of each step's sampled tokens.
 
@@ -298,9 +305,11 @@ class MismatchMonitor:
         if [len(a) for a in inf] != [len(b) for b in train]:
             raise ValueError("inference and training logprobs must cover the same tokens (same lengths per response)")
         d = np.concatenate([a - b for a, b in zip(inf, train)]) if inf else np.zeros(0)
-        row = {"step": step, "tokens": len(d), "sampled_kl": d.mean() / UNIT if len(d) else np.nan,
-               "k3": (np.expm1(-d) + d).mean() / UNIT if len(d) else np.nan, "mean_abs_diff": np.abs(d).mean() if len(d) else np.nan,
-               "max_abs_diff": np.abs(d).max() if len(d) else np.nan}
+        if not len(d):
+            row = dict.fromkeys(MONITOR_COLUMNS, np.nan) | {"step": step, "tokens": 0}
+        else:
+            row = {"step": step, "tokens": len(d), "sampled_kl": d.mean() / UNIT, "k3": k3_terms(d, 0.0).mean() / UNIT,
+                   "mean_abs_diff": np.abs(d).mean(), "max_abs_diff": np.abs(d).max()}
         self.rows.append(row)
         self._check()
         return row
@@ -319,11 +328,9 @@ class MismatchMonitor:
 
     @property
     def history(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=["step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff"])
+        return pd.DataFrame(self.rows, columns=list(MONITOR_COLUMNS))
 
     def plot(self, ax=None):
-        import matplotlib.pyplot as plt
-
         ax = ax or plt.subplots(figsize=(6, 3))[1]
         h = self.history
         ax.plot(h["step"], h["k3"], label="k3")

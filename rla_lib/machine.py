@@ -14,12 +14,14 @@ path rounds in its own places: the same commit gives different gaps on different
 
 from __future__ import annotations
 
+import argparse
 import functools
 import getpass
 import hashlib
 import json
 import os
 import platform
+import subprocess
 import tempfile
 import types
 from importlib import metadata
@@ -248,10 +250,6 @@ def use_bf16_matmul(model: torch.nn.Module, mode: str | None = None) -> str:
 
 def main(argv=None) -> int:
     """`python -m rla_lib.machine` describes this machine; `... --level avx2 CMD ...` runs CMD capped to a level."""
-    import argparse
-    import subprocess
-    import sys
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--level", choices=list(ISA_LEVELS), help="run the command capped to this level")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --level)")

@@ -21,29 +21,30 @@ side by its regions and options, not its name). A later call scores only what is
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from . import kl, task
+from .align import ALL_REGIONS, REGIONS, AlignOptions, align
+from .engine import Engine
 from .machine import machine, machine_key
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR, atomic_write
 from .progress import bar
 from .scoring import response_tokens, token_logprobs
 
-FULL_VOCAB_LIMIT = 4096
 # Default sizes for a trustworthy headline: many distinct prompts (the whole held-out split, the
 # independent unit of the error bars) and two responses each, rather than many samples of few prompts.
 STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
 # Which regions each rla_lib.align option acts on (an option is inert without its regions): two
 # configurations that differ only in inert options score identically, so they share a name and a cache file.
 OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "norm_weight": ("residual_norm",),
-                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu")}
+                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",)}
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -52,23 +53,21 @@ def fingerprint(model_dir: Path) -> str:
     for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for module in ("align.py", "scoring.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
+    for module in ("align.py", "attention.py", "scoring.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
         h.update((Path(__file__).parent / module).read_bytes())
     return h.hexdigest()[:12]
 
 
 def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:
-    """(regions in `REGIONS` order, only the options that differ from their default and act on those regions)."""
-    from .align import REGIONS, AlignOptions
-
+    """(regions in `ALL_REGIONS` order, only the options that differ from their default and act on those regions)."""
     regions = tuple(regions)
-    unknown = sorted(set(regions) - set(REGIONS)) + sorted(set(options or {}) - set(OPTION_REGIONS))
+    unknown = sorted(set(regions) - set(ALL_REGIONS)) + sorted(set(options or {}) - set(OPTION_REGIONS))
     if unknown:
         raise ValueError(f"unknown region(s) or option(s) {unknown}")
     defaults = AlignOptions()
     kept = {k: v for k, v in sorted((options or {}).items())
             if v != getattr(defaults, k) and set(OPTION_REGIONS[k]) & set(regions)}
-    return tuple(r for r in REGIONS if r in regions), kept
+    return tuple(r for r in ALL_REGIONS if r in regions), kept
 
 
 def config_name(regions, **options) -> str:
@@ -87,8 +86,6 @@ def all_configs(regions) -> list[tuple[str, ...]]:
 def paper_configs() -> dict[str, tuple[tuple[str, ...], dict]]:
     """The paper's Table 1 rows (every subset of the regions), RoPE in both cos/sin readings:
     FP32 (this project's reading of the paper) and BF16 (vLLM's cos/sin cache)."""
-    from .align import REGIONS
-
     configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
     return configs | {config_name(c, rope_cos_sin="bf16"): (c, {"rope_cos_sin": "bf16"}) for c in all_configs(REGIONS) if "rope" in c}
 
@@ -284,23 +281,15 @@ def sample_responses(engine, n_prompts: int, n_samples: int, max_tokens: int, te
     groups = engine.sample([p.prompt for p in problems], n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
                            **forced)
     samples = [(i, p, s) for i, (p, g) in enumerate(zip(problems, groups)) for s in g if s.response_ids]
-    return ([s.ids for _, _, s in samples], [len(s.prompt_ids) - 1 for _, _, s in samples],
+    return ([s.ids for _, _, s in samples], [s.response_start for _, _, s in samples],
             np.array([task.reward(p, s.text) for _, p, s in samples]), np.array([i for i, _, _ in samples], np.int64))
 
 
 def _temperature_kwargs(temperature: float) -> dict:
-    """Scorers get the sampling temperature only when it is not 1 (then both sides must accept it)."""
-    if temperature == 1.0:
-        return {}
-    from .engine import Engine
-
-    missing = [name for name, f in (("Engine.score", Engine.score), ("scoring.token_logprobs", token_logprobs))
-               if "temperature" not in inspect.signature(f).parameters]
-    if missing:
-        raise NotImplementedError(
-            f"temperature={temperature}: {' and '.join(missing)} score at temperature 1 only, so neither side would score "
-            "the distribution the engine sampled from (logits / T); sample at temperature 1 until both scorers take it")
-    return {"temperature": temperature}
+    """Scorers get the sampling temperature only when it is not 1 (at 1 both score bit for bit as without it)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return {} if temperature == 1.0 else {"temperature": temperature}
 
 
 def score_training_side(run: MismatchRun, model, side: str, full: bool, temperature: float = 1.0) -> None:
@@ -310,8 +299,6 @@ def score_training_side(run: MismatchRun, model, side: str, full: bool, temperat
 
 def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress) -> MismatchRun:
     """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own)."""
-    from .engine import Engine
-
     t_kwargs = _temperature_kwargs(temperature)
     for mode in bar(modes, progress, desc="vLLM modes", leave=False):
         side, path = f"vllm:{mode}", None if folder is None else folder / f"vllm-{mode}.npz"
@@ -334,8 +321,6 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
 
 def _score_training_sides(run, model, sides: dict, folder, full, temperature, progress=None) -> None:
     """Add every training side; the model of a dtype is loaded only if some side of it must be scored."""
-    from .align import align
-
     loaded, done = {}, {}
     for side, (dtype, regions, options) in bar(sides.items(), progress, total=len(sides), desc="training sides", leave=False):
         path = side_file(folder, dtype, regions, options)
@@ -379,19 +364,17 @@ def measure(
     modes or configurations reuses what is there and scores only what is missing. Two names with the
     same (regions, options) get the same arrays. cache_dir=None: no caching.
     temperature != 1: both the engine and Transformers score softmax(logits / T), the distribution the
-    engine sampled from; NotImplementedError where a scorer does not take a temperature.
+    engine sampled from.
     progress: bars over the engine modes and training sides, and vLLM's own while it samples and scores
     (None: only in a Jupyter kernel, see `rla_lib.progress`).
     """
-    from .align import REGIONS
-
     _temperature_kwargs(temperature)  # fail before any engine starts
     spec = resolve_model(model)
     if training_configs is None:
         training_configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
     key = sample_key(spec.path, f"vllm:{modes[0]}", n_prompts, n_samples, max_tokens, temperature, seed)
     folder = cache_folder(cache_dir, key)
-    full = spec.vocab_size <= FULL_VOCAB_LIMIT
+    full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"
     run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
     run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress)
@@ -406,8 +389,6 @@ def measure(
 
 def table(run: MismatchRun, inference: str, trainings, estimators=("sampled", "k3", "exact"), n_boot: int = 2000, seed: int = 0):
     """One row per training side: each estimator's value, se and 95% CI (1e-4, prompt-level), tokens, prompts."""
-    import pandas as pd
-
     rows = []
     for side in trainings:
         est = kl.compare(run.pairs(inference, side), estimators=estimators, clusters=run.prompts, n_boot=n_boot, seed=seed)

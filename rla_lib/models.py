@@ -10,11 +10,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
 from .machine import use_bf16_matmul
 from .paths import MODELS_DIR
 
 EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny"}
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The two precisions this project compares, by every name they go by (torch dtypes included, via str()).
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+# Full next-token distributions (exact KL, temperature) are kept only up to this vocabulary size.
+FULL_VOCAB_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,11 @@ class ModelSpec:
     @property
     def family(self) -> str:
         return "qwen3" if self.architecture == "Qwen3ForCausalLM" else "qwen2"
+
+    @property
+    def small_vocab(self) -> bool:
+        """Small enough to keep whole next-token distributions (`FULL_VOCAB_LIMIT`)."""
+        return self.vocab_size <= FULL_VOCAB_LIMIT
 
 
 def _local_dir(model: str | Path) -> Path:
@@ -50,8 +64,6 @@ def _local_dir(model: str | Path) -> Path:
             "directory, and not a hub name of the form 'org/name'."
         )
     try:  # a hub name: works only where the hub is reachable (or the files are already cached)
-        from huggingface_hub import snapshot_download
-
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:
         raise FileNotFoundError(
@@ -83,21 +95,22 @@ def resolve_model(model: str | Path) -> ModelSpec:
     )
 
 
-def torch_dtype(dtype):
-    import torch
+def torch_dtype(dtype) -> torch.dtype:
+    """torch.bfloat16 or torch.float32 from any of their names (or the dtype itself)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be bfloat16 or float32 (the two this project compares), got {dtype!r}")
+    return DTYPES[name]
 
-    from .engine import normalize_dtype
 
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[normalize_dtype(dtype)]
+def normalize_dtype(dtype) -> str:
+    """'bfloat16' or 'float32': the name vLLM takes."""
+    return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
 def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu"):
     """The training side: the stock Transformers model (eager PyTorch, no compilation)."""
-    from transformers import AutoModelForCausalLM
-
     spec = resolve_model(model)
-    from transformers.utils import logging as hf_logging
-
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per load is noise in a GRPO loop or a notebook
     try:
@@ -111,6 +124,4 @@ def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu")
 
 
 def load_tokenizer(model: str | Path = "qwen3-tiny"):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(resolve_model(model).path)

@@ -14,6 +14,11 @@ FIGURES_DIR = Path(os.environ.get("RLA_FIGURES_DIR", ROOT / "figures"))
 RESULTS_DIR = Path(os.environ.get("RLA_RESULTS_DIR", ROOT / "results"))
 
 
+def slug(name: str) -> str:
+    """A display name as a folder name: "default BF16 + TIS" -> "default_BF16_plus_TIS" (no commas either)."""
+    return name.replace("+", "plus").replace(",", "").replace(" ", "_")
+
+
 def atomic_write(path, write) -> Path:
     """Write `path` through `write(tmp)` on a sibling temporary, then rename: a crash never leaves half a file.
 

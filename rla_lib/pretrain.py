@@ -16,12 +16,15 @@ import json
 import math
 import random
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from . import task
 from .models import EMBEDDED_MODELS
@@ -52,8 +55,6 @@ SHAPE = dict(
 
 
 def make_config(arch: str):
-    from transformers import Qwen2Config, Qwen3Config
-
     if arch == "qwen3":  # Q/K RMSNorm, no QKV bias, tied embeddings (as Qwen3-0.6B/1.7B)
         return Qwen3Config(**SHAPE, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     if arch == "qwen2":  # QKV bias, no Q/K norm, untied (as DeepSeek-R1-Distill-Qwen-1.5B)
@@ -98,8 +99,6 @@ def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: i
           stop_at_accuracy: float | None = None):
     """Train from scratch; with stop_at_accuracy, stop at the first check (every `log_every` steps,
     from a third of the way on) where temperature-1 accuracy on a dev split reaches it."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = build_tokenizer()
@@ -177,9 +176,6 @@ def main(argv=None):
 
 
 def _train_in_parallel(args) -> None:
-    import subprocess
-    import sys
-
     extra = (["--steps", str(args.steps)] if args.steps else []) + ["--eval-size", str(args.eval_size)] + (["--out", str(args.out)] if args.out else [])
     procs = {a: subprocess.Popen([sys.executable, "-m", "rla_lib.pretrain", "--arch", a, *extra]) for a in args.arch}
     failed = [a for a, p in procs.items() if p.wait() != 0]

@@ -15,13 +15,11 @@ import re
 import sys
 from pathlib import Path
 
-import pandas as pd
-
 from . import spread
 from .align import REGIONS
 from .machine import describe
 from .mismatch import config_name
-from .paths import MODELS_DIR, ROOT
+from .paths import MODELS_DIR, ROOT, atomic_write
 from .report import TABLES_DIR, change_vs_range, compare_interval, load_table
 
 README = ROOT / "README.md"
@@ -360,8 +358,6 @@ def main(argv=None) -> int:
             print(f"README blocks out of date with tables/: {', '.join(changed)}; run `make readme`", file=sys.stderr)
         return 1 if changed else 0
     if changed:
-        from .paths import atomic_write
-
         atomic_write(args.readme, lambda tmp: tmp.write_text(new))
     print(f"README: {len(changed)} block(s) rewritten" + (f" ({', '.join(changed)})" if changed else ""))
     return 0

@@ -12,6 +12,7 @@ which parameters; see `rla_lib.machine`). `RLA_TABLES_DIR` redirects the folder 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -98,8 +99,6 @@ def notebook_times(executed_dir: Path | str) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     """`python -m rla_lib.report times [DIR]`: print and save (tables/run_all_time) the time of each executed notebook."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("what", choices=["times"])
     parser.add_argument("directory", nargs="?", default=ROOT / "notebooks" / "executed")

@@ -2,7 +2,11 @@
 
 The decoder runs once over the batch; the LM head and log-softmax then run over chunks of
 positions, so peak memory is bounded by `chunk_size x vocab` rather than `tokens x vocab`
-(151,936 columns for a real Qwen). Logits come out of the model in its dtype (BF16) and the
+(151,936 columns for a real Qwen). With gradients each chunk is checkpointed: backward recomputes
+its logits instead of keeping every chunk's FP32 log-softmax alive, so the bound holds there too.
+The logprobs and the gradient reaching the hidden states (hence every decoder weight) are bit for
+bit those of the unchunked path; the LM head's weight gradient is summed chunk by chunk, so it
+differs from one big matmul by summation order only. Logits come out of the model in its dtype (BF16) and the
 log-softmax is taken in FP32, as vLLM does. At a sampling temperature T != 1 the engine samples
 softmax(logits / T): `temperature=T` scores that distribution, dividing in vLLM's order.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def pad_batch(sequences, pad_id: int = 0):
@@ -48,6 +53,21 @@ def hidden_states(model, ids, mask):
     return model.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
+def _chunk_logprobs(lm_head, hidden, targets, temperature: float):
+    return log_softmax_at(lm_head(hidden), temperature).gather(-1, targets[:, None])[:, 0]
+
+
+def head_logprobs(lm_head, hidden, targets, chunk_size: int = 1024, temperature: float = 1.0):
+    """log p(target | position) for (N, H) hidden states, chunk by chunk; under autograd each chunk is
+    checkpointed, so at most one chunk's (chunk_size, vocab) logits exist at a time, forward or backward."""
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    chunks = []
+    for s in range(0, hidden.shape[0], chunk_size):
+        args = (lm_head, hidden[s : s + chunk_size], targets[s : s + chunk_size], temperature)
+        chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
+    return torch.cat(chunks)
+
+
 def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False,
                    temperature: float = 1.0):
     """Logprob of each token given its prefix, for each sequence (entry t scores ids[t+1]).
@@ -67,14 +87,13 @@ def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = 
             h = hidden_states(model, ids, mask)[:, :-1]  # position t predicts token t+1
             targets = ids[:, 1:]
             flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-            lp_chunks, full_chunks = [], []
-            for s in range(0, flat_h.shape[0], chunk_size):
-                logp = log_softmax_at(model.lm_head(flat_h[s : s + chunk_size]), temperature)
-                lp_chunks.append(logp.gather(-1, flat_t[s : s + chunk_size, None])[:, 0])
-                if full_vocab:
-                    full_chunks.append(logp.detach())
-            lp = torch.cat(lp_chunks).view(targets.shape)
-            full = torch.cat(full_chunks).view(*targets.shape, -1) if full_vocab else None
+            if full_vocab:  # the whole distribution is the output: nothing to save by recomputing
+                logp = torch.cat([log_softmax_at(model.lm_head(flat_h[s : s + chunk_size]), temperature)
+                                  for s in range(0, flat_h.shape[0], chunk_size)])
+                lp = logp.gather(-1, flat_t[:, None])[:, 0].view(targets.shape)
+                full = logp.detach().view(*targets.shape, -1)
+            else:
+                lp = head_logprobs(model.lm_head, flat_h, flat_t, chunk_size, temperature).view(targets.shape)
         for i, s in enumerate(batch):
             n = len(s) - 1
             row = lp[i, :n] if grad else lp[i, :n].detach().cpu().numpy()

@@ -14,6 +14,7 @@ from itertools import combinations
 from math import factorial
 
 import numpy as np
+import pandas as pd
 
 from . import kl
 
@@ -83,8 +84,6 @@ def attribute(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, un
     `table.attrs["reduction_ci"]` is the reduction's 95% CI (same resamples; by efficiency the
     Shapley values of a resample sum to its reduction).
     """
-    import pandas as pd
-
     players = tuple(players)
     gap = {s: np.sum(sums) / np.sum(counts) for s, (sums, counts) in per_sequence.items()}
     none, everything = frozenset(), frozenset(players)

@@ -21,10 +21,12 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from . import graphs, machine, mismatch
 from .align import REGIONS
-from .paths import RESULTS_DIR, atomic_write
+from .engine import bf16_linear
+from .paths import RESULTS_DIR, atomic_write, slug
 
 MODES = ("compiled", "eager")
 PAPER = mismatch.config_name(REGIONS)
@@ -65,10 +67,7 @@ def kernel_probe() -> dict:
     """Which kernels this process's level selects, probed directly: inductor's vector ISA, torch's kernel
     capability, vLLM's kernel library and BF16 linear, and how often the engine's BF16 linear equals the
     training side's on the same operands (a random (512 x 256) @ (256 x 768) product)."""
-    import torch
-    from torch._inductor import cpu_vec_isa
-
-    from .engine import bf16_linear
+    from torch._inductor import cpu_vec_isa  # 1.5 s to import: only here, in a level's worker
 
     library = ("_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512") if torch.cpu._is_avx512_supported() else "_C_AVX2"
     g = torch.Generator().manual_seed(0)
@@ -86,8 +85,8 @@ def kernel_probe() -> dict:
                 linear_outputs_equal=(engine_out == training_out).float().mean().item())
 
 
-def _worker_output(model, label: str, params: dict) -> Path:
-    return SPREAD_DIR / label.replace(" ", "_") / f"{Path(str(model)).name}.json"
+def _worker_output(model, label: str) -> Path:
+    return SPREAD_DIR / slug(label) / f"{Path(str(model)).name}.json"
 
 
 def measure(models, levels=None, matmul_control: bool = False, progress: bool | None = None, **params) -> pd.DataFrame:
@@ -105,7 +104,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     frames = []
     for level, label, extra_env in runs:
         for model in models:
-            out = _worker_output(model, label, params)
+            out = _worker_output(model, label)
             cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
                    "--params", json.dumps(params)]
             env = os.environ | machine.isa_environment(level) | extra_env
@@ -118,7 +117,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
 
 def load_points(model, level: str) -> dict:
     """The rounding points the `level` run read per engine side (graphs.Points), to compare levels."""
-    d = json.loads(_worker_output(model, level, {}).read_text())
+    d = json.loads(_worker_output(model, level).read_text())
     return {side: graphs.Points.from_json(p) for side, p in d["points"].items()}
 
 
@@ -126,7 +125,7 @@ def kernels(models, levels) -> pd.DataFrame:
     """`kernel_probe` of each level's run (the same for every model), one row per level."""
     rows = {}
     for level in levels:
-        d = json.loads(_worker_output(models[0], level, {}).read_text())
+        d = json.loads(_worker_output(models[0], level).read_text())
         rows[level] = d["kernels"]
     return pd.DataFrame(rows).T.rename_axis("level")
 

@@ -12,12 +12,11 @@ reproducible; the held-out split ships as ``data/task/eval.jsonl``.
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .paths import DATA_DIR
+from .paths import DATA_DIR, atomic_write
 
 EVAL_SPLIT_PATH = DATA_DIR / "task" / "eval.jsonl"
 EVAL_SPLIT_SEED = 20261129
@@ -75,10 +74,7 @@ def reward(problem: Problem, response: str) -> float:
 
 
 def save_split(problems: list[Problem], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in problems))
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in problems)))
 
 
 def load_split(path: Path = EVAL_SPLIT_PATH) -> list[Problem]:

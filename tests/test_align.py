@@ -6,7 +6,6 @@ reproduce stock Transformers bit for bit when no region is on.
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ from transformers import (
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rla_lib import align as rla  # noqa: E402
+from rla_lib import align as rla
 
 
 BF16 = torch.bfloat16
@@ -45,7 +43,8 @@ OPTION_CASES = [
     {"rope_cos_sin": "bf16", "rope_qk_norm": "stock", "norm_weight": "fp32", "residual_stream": "fp32"},
 ]
 PAPER_OPTIONS = {
-    "rope_cos_sin": "fp32", "rope_qk_norm": "fp32", "norm_weight": "stock", "residual_stream": "bf16", "fused": False
+    "rope_cos_sin": "fp32", "rope_qk_norm": "fp32", "norm_weight": "stock", "residual_stream": "bf16", "fused": False,
+    "attention": "fp32",  # acts on the "attention" region only, which the paper does not have
 }  # fmt: skip
 REGION_CASES = [("rope",), ("swiglu",), ("residual_norm",), rla.REGIONS]
 
@@ -367,9 +366,9 @@ def test_rotated_qk_are_fp32_rounded_once(family, options, monkeypatch):
             seen.update(q=query, k=key)
         return stock_attention(module, query, key, *args, **kwargs)
 
-    monkeypatch.setattr(modeling, "eager_attention_forward", capture)
     input_ids, _ = batch()
     with rla.aligned(model, "rope", **options):
+        monkeypatch.setattr(modeling, "eager_attention_forward", capture)  # after align, whose source guard reads it
         logits(model, input_ids)
 
     opt = {**PAPER_OPTIONS, **options}

@@ -30,7 +30,7 @@ def test_generation_logprobs_equal_scoring_logprobs(compiled_engine):
     samples = [s for g in groups for s in g]
     scores = compiled_engine.score([s.ids for s in samples], full_vocab=True)
     for s, sc in zip(samples, scores):
-        start = len(s.prompt_ids) - 1
+        start = s.response_start
         np.testing.assert_array_equal(sc.token_logprobs[start:], s.logprobs)
         np.testing.assert_allclose(np.exp(sc.full).sum(-1), 1.0, atol=1e-5)  # FP32 logprobs: 1 within ~2e-6
         np.testing.assert_array_equal(sc.full[np.arange(len(s.ids) - 1), s.ids[1:]], sc.token_logprobs)

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rla_lib import grpo
+from rla_lib import grpo, stability
 from rla_lib.models import load_model
 
 
@@ -109,52 +109,8 @@ def test_coarse_rollout_run_evaluates_the_policy_too(compiled_engine, tmp_path):
     assert h["eval_accuracy_policy"].notna().tolist() == h["eval_accuracy"].notna().tolist() == [True, True]
     assert (h["eval_prompts"] == TINY["eval_prompts"]).all()
     assert all(np.array_equal(a, b) for a, b in zip(after_run, coarse))  # the engine was left with the coarse copy
-    s = grpo.summarize(h)
+    s = stability.summarize(h)
     assert s["eval acc policy last"] == h["eval_accuracy_policy"].iloc[-1]
-
-
-def fake_history(accuracies):
-    """A run's history: held-out accuracy accuracies[0] before training, accuracies[i] after step i."""
-    base = dict(reward=0.5, k3=1.0, sampled_kl=1.0, entropy=0.3, clip_frac=0.01, t_rollout=0.2, t_score=0.2, t_update=0.9, t_sync=0.05)
-    rows = [dict(step=0, eval_accuracy=accuracies[0])] + [dict(base, step=i, eval_accuracy=a) for i, a in enumerate(accuracies[1:], 1)]
-    return pd.DataFrame(rows)
-
-
-def test_accuracy_verdict_hand_cases():
-    n = 256
-    se = lambda p: np.sqrt(p * (1 - p) / n)
-    margin = 2 * np.hypot(se(0.7), se(0.5))  # 0.084 at n=256
-    rose_then_fell = grpo.accuracy_verdict([0, 25, 50], [0.5, 0.7, 0.5], n)
-    assert rose_then_fell == dict(degraded=True, diverged=False, margin=pytest.approx(margin), peak_step=25)
-    within_noise = grpo.accuracy_verdict([0, 25, 50], [0.5, 0.7, 0.7 - 0.9 * margin], n)
-    assert not within_noise["degraded"] and not within_noise["diverged"]
-    never_improved = grpo.accuracy_verdict([0, 25, 50], [0.55, 0.3, 0.0], n)
-    assert never_improved["diverged"] and not never_improved["degraded"] and never_improved["peak_step"] == 0
-    assert never_improved["margin"] == pytest.approx(2 * se(0.55))  # nothing of binomial noise at p = 0
-    fell_a_little = grpo.accuracy_verdict([0, 25], [0.55, 0.50], n)
-    assert not fell_a_little["diverged"]  # 5 points is within 2 combined SEs (8.8 points) at n=256
-    # the same drop is beyond noise with 10x the problems
-    assert grpo.accuracy_verdict([0, 25], [0.55, 0.50], 2560)["diverged"]
-    assert grpo.accuracy_verdict([0, 25], [0.55, 0.55], n)["peak_step"] == 0  # a tie with step 0 never improved
-
-
-def test_summarize_degraded_diverged_and_eval_problems():
-    h = fake_history([0.5, np.nan, 0.7, 0.5])
-    s = grpo.summarize(h, eval_prompts=256)
-    assert s["eval acc first"] == 0.5 and s["eval acc peak"] == 0.7 and s["eval acc last"] == 0.5
-    assert s["drop from peak"] == pytest.approx(0.2) and s["degraded"] and not s["diverged"]
-    assert s["noise margin"] == pytest.approx(2 * np.hypot(np.sqrt(0.21 / 256), np.sqrt(0.25 / 256)))
-    assert s["reward first 20%"] == 0.5 and s["step seconds"] == pytest.approx(1.35)  # training rows only
-    assert "eval acc policy last" not in s
-    assert not grpo.summarize(h.assign(eval_accuracy=[0.5, np.nan, 0.7, 0.65]), eval_prompts=256)["degraded"]
-    diverged = grpo.summarize(h.assign(eval_accuracy=[0.5, np.nan, 0.2, 0.1]), eval_prompts=256)
-    assert diverged["diverged"] and not diverged["degraded"]
-    # the number of problems comes from the history when it says it, and must be given otherwise
-    assert grpo.summarize(h.assign(eval_prompts=16))["noise margin"] > s["noise margin"]
-    with pytest.raises(ValueError, match="eval_prompts"):
-        grpo.summarize(h)
-    policy = grpo.summarize(h.assign(eval_accuracy_policy=[0.5, np.nan, 0.72, 0.6]), eval_prompts=256)
-    assert policy["eval acc policy peak"] == 0.72 and policy["eval acc policy last"] == 0.6
 
 
 def test_prompts_are_a_function_of_seed_and_step():
@@ -207,26 +163,3 @@ def test_weight_sync_matches_fp32_training_side(tmp_path):
     diff_after = max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, ours))
     diff_before = max(np.abs(a.token_logprobs - b).max() for a, b in zip(before, ours))
     assert diff_after < 1e-4 < diff_before
-
-
-def test_compare_seeds_means_and_counts():
-    def history(run, config, accuracies):
-        return fake_history(accuracies).assign(run=run, config=config)
-
-    h = pd.concat([history("a0", "a", [0.5, 0.7, 0.5]), history("a1", "a", [0.5, 0.6, 0.6]), history("b0", "b", [0.5, 0.6, 0.62]),
-                   history("b1", "b", [0.5, 0.3, 0.1]), history("b2", "b", [0.5, 0.6, 0.55])])
-    t = grpo.compare_seeds(h, eval_prompts=256)
-    assert t.index.tolist() == ["a", "b"] and t["seeds"].tolist() == [2, 3]
-    assert t["degraded"].tolist() == [1, 0] and t["diverged"].tolist() == [0, 1]  # b2 fell 5 points: within noise
-    assert t.loc["a", ("eval acc last", "mean")] == pytest.approx(0.55) and t.loc["a", ("eval acc last", "se")] == pytest.approx(0.05)
-    assert t.loc["a", ("drop from peak", "mean")] == pytest.approx(0.1)
-
-
-def test_seed_difference():
-    h = pd.concat([fake_history(acc).assign(run=f"{c}{i}", config=c)
-                   for c, runs in {"a": [[0.5, 0.6], [0.5, 0.7]], "b": [[0.5, 0.5], [0.5, 0.6]]}.items() for i, acc in enumerate(runs)])
-    diff, se = grpo.seed_difference(grpo.compare_seeds(h, eval_prompts=256), "a", "b")
-    assert diff == pytest.approx(0.1) and se == pytest.approx(np.hypot(0.05, 0.05))
-    # b's own metric: a's last accuracy against b's first (0.5 in both runs: no spread)
-    diff, se = grpo.seed_difference(grpo.compare_seeds(h, eval_prompts=256), "a", "b", metric_b="eval acc first")
-    assert diff == pytest.approx(0.15) and se == pytest.approx(0.05)

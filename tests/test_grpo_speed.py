@@ -56,7 +56,7 @@ def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude
         old_lp, entropy = policy.logprobs(ids, attn, grad=False)
     lengths = resp.sum(1).long()
     monitor.update(step, [s.logprobs for s in samples],
-                   [old_lp[i, len(s.prompt_ids) - 1 : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+                   [old_lp[i, s.response_start : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
     adv = torch.from_numpy(grpo.group_advantages(rewards, cfg.group_size)).float()
     tis = torch.clamp(torch.exp(old_lp - inf_lp), max=cfg.tis_cap) if cfg.tis_cap else None
     order = np.random.default_rng(cfg.seed * 7919 + step).permutation(len(samples))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from rla_lib import kl, mismatch, task
+from rla_lib.engine import Sample
 
 
 def _run(rng, prompts=(0, 0, 1)):
@@ -93,16 +94,11 @@ def test_standard_sizes_are_the_measure_defaults():
     assert {k: params[k].default for k in mismatch.STANDARD} == mismatch.STANDARD
 
 
-def test_temperature_other_than_one_needs_both_scorers_to_take_it():
-    from rla_lib.engine import Engine
-
+def test_temperature_is_passed_to_the_scorers_only_when_not_one():
     assert mismatch._temperature_kwargs(1.0) == {}
-    takes = all("temperature" in inspect.signature(f).parameters for f in (Engine.score, mismatch.token_logprobs))
-    if takes:
-        assert mismatch._temperature_kwargs(0.7) == {"temperature": 0.7}
-    else:
-        with pytest.raises(NotImplementedError, match="temperature"):
-            mismatch.measure(temperature=0.7, cache_dir=None)
+    assert mismatch._temperature_kwargs(0.7) == {"temperature": 0.7}
+    with pytest.raises(ValueError, match="temperature"):
+        mismatch.measure(temperature=0.0, cache_dir=None)  # refused before any engine starts
 
 
 # ---- the two cache layers -----------------------------------------------------------------------
@@ -168,8 +164,7 @@ class FakeEngine:
             group = []
             for _ in range(n):
                 response = [] if i == 1 else list(map(int, rng.integers(3, 16, rng.integers(1, 5))))  # prompt 1: empty
-                group.append(SimpleNamespace(prompt_ids=[1, 2, 3 + i % 5], response_ids=response,
-                                             ids=[1, 2, 3 + i % 5] + response, text="1"))
+                group.append(Sample([1, 2, 3 + i % 5], response, np.zeros(len(response), np.float32), "1", True))
             groups.append(group)
         return groups
 
@@ -187,10 +182,8 @@ class FakeEngine:
 def test_measure_reuses_samples_engine_scores_and_training_sides(tmp_path, monkeypatch):
     """Two calls with other modes and configurations: only what is missing is computed (real
     Transformers for the training side, a fake engine for vLLM)."""
-    import rla_lib.engine
-
     FakeEngine.started = []
-    monkeypatch.setattr(rla_lib.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(mismatch, "Engine", FakeEngine)
     scored = []
     real_scorer = mismatch.score_training_side
     monkeypatch.setattr(mismatch, "score_training_side",
@@ -220,13 +213,8 @@ def test_measure_reuses_samples_engine_scores_and_training_sides(tmp_path, monke
 
 
 def test_measure_at_a_temperature_scores_both_sides_at_it(tmp_path, monkeypatch):
-    import rla_lib.engine
-
-    takes = all("temperature" in inspect.signature(f).parameters for f in (rla_lib.engine.Engine.score, mismatch.token_logprobs))
-    if not takes:
-        pytest.skip("the scorers do not take a temperature yet (measure refuses T != 1: tested above)")
     FakeEngine.started, FakeEngine.score_temperatures = [], []
-    monkeypatch.setattr(rla_lib.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(mismatch, "Engine", FakeEngine)
     sizes = dict(modes=("compiled",), training_configs={"none": ((), {})}, n_prompts=4, n_samples=2, max_tokens=4,
                  fp32_reference=False, cache_dir=tmp_path)
     hot = mismatch.measure("qwen3-tiny", temperature=0.7, **sizes)

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from rla_lib.engine import normalize_dtype
+from rla_lib.models import normalize_dtype
 from rla_lib.models import EMBEDDED_MODELS, load_model, resolve_model
 
 

@@ -16,7 +16,8 @@ FAST = {
     "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
-    "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3, configs=["default BF16", "FP32 control"]),
+    "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
+                              configs=["default BF16", "engine schedule", "FP32 control"]),
     # the uncapped level (02's measurement and captures, reused) and AVX2 (every x86 CPU this project runs on has it)
     "07_cpu_kinds": dict(models=["qwen3-tiny"], levels=["native", "avx2"], matmul_control=False,
                          n_prompts=16, n_samples=2, n_boot=200),

@@ -1,6 +1,5 @@
-"""rla_lib.rounding: exact BF16 helpers, the clustering score, and the capture of pre-rounding values."""
+"""rla_lib.rounding: exact BF16 helpers, rounding positions and their clustering score, the op-chain toy."""
 
-import copy
 import math
 
 import numpy as np
@@ -8,8 +7,7 @@ import pytest
 import torch
 
 from rla_lib import rounding as R
-from rla_lib.models import EMBEDDED_MODELS
-from tiny_models import batch, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
+
 
 U7, U6 = 2.0**-7, 2.0**-6  # BF16 spacing in [1, 2) and [2, 4)
 
@@ -183,7 +181,7 @@ def test_clustering_uniform_is_near_the_floor():
         assert floor / 3 < R.fourier_clustering(p) < 3 * floor
     # positions on the 2**-16 grid (the histogram path) agree
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(2)) * 100
-    assert R.clustering_score(x) < 3 * R.uniform_floor(x.numel())
+    assert R.rounding_clustering(x).score < 3 * R.uniform_floor(x.numel())
 
 
 def test_clustering_single_and_two_points():
@@ -202,7 +200,7 @@ def test_distinct_value_floor():
     x = base.repeat(400)
     d, floor = R.distinct_value_floor(x)
     assert d == 50 and floor == pytest.approx(1 / math.sqrt(50))
-    assert floor / 3 < R.clustering_score(x) < 3 * floor
+    assert floor / 3 < R.rounding_clustering(x).score < 3 * floor
 
 
 def test_fourier_coefficients_histogram_path_equals_direct_sum():
@@ -215,210 +213,64 @@ def test_fourier_coefficients_histogram_path_equals_direct_sum():
         R.fourier_coefficients(torch.tensor([1.0]))
 
 
-# ------------------------------------------------------------------------------------------------ capture
+def grid_values(n, seed=0):
+    """n FP32 values that are BF16 numbers (no rounding error)."""
+    return R.round_bf16(torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 10).float()
 
 
-def stock_module_outputs(model, ids, mask):
-    """BF16 outputs of the stock modules that are rounding locations, via forward hooks."""
-    base = model.model
-    seen, handles = {}, []
-    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-             "down_proj": "mlp.down_proj", "silu": "mlp.act_fn", "input_norm.weight": "input_layernorm",
-             "post_norm.weight": "post_attention_layernorm", "q_norm.weight": "self_attn.q_norm",
-             "k_norm.weight": "self_attn.k_norm", "residual_mlp": ""}
-    for i, layer in enumerate(base.layers):
-        for loc, path in names.items():
-            try:
-                module = layer.get_submodule(path) if path else layer
-            except AttributeError:  # Qwen2 has no Q/K norm
-                continue
-            handles.append(module.register_forward_hook(
-                lambda m, a, out, key=(loc, i): seen.__setitem__(key, out[0] if isinstance(out, tuple) else out)))
-    with torch.no_grad():
-        base(input_ids=ids, attention_mask=mask)
-    for h in handles:
-        h.remove()
-    return seen
+def off_grid_values(n, seed=1):
+    """n FP32 values with uniformly random nonzero low 16 bits: uniform rounding positions, none exact."""
+    g = torch.Generator().manual_seed(seed)
+    high = grid_values(n, seed).view(torch.int32)
+    low = torch.randint(1, 65536, (n,), generator=g, dtype=torch.int32)
+    return (high | low).view(torch.float32)
 
 
-# Non-pointwise locations: the stock BF16 kernel sums in its own order, with its own exp (CPU-dependent), so the
-# captured FP32 value (our recomputation) is not bitwise the kernel's. Each check below states a bound on
-# |kernel's FP32 value - ours| and requires the stock BF16 value to be a rounding of something within it.
-FP32_U = 2.0**-24  # FP32 unit roundoff
-# exp inside torch's CPU flash attention: AVX2 builds use `fexp_u20` (a cubic in 2**frac), max relative error
-# 1.06e-4 = 2**-13.2 (emulated bitwise against the kernel under ATEN_CPU_CAPABILITY=avx2); AVX512 builds use an
-# exp within 20 FP32 ulps. 2**-12 covers both with a 2.3x margin.
-KERNEL_EXP_REL_ERR = 2.0**-12
-# Floors on the share of values whose rounding agrees (real tokens). A value rounds differently only when it lies
-# within the kernel's error of a rounding boundary: with error eps*|y| the chance is about 2*eps*|y|/ulp(y), and
-# ulp(y) >= 2**-8*|y|. The share is deterministic for given inputs and kernel; it changes with the kernel.
-# - matmul: two FP32 sums of n <= 768 exact BF16 products in different orders differ by about sqrt(n)*u*sum|x w|
-#   (random-walk rounding errors), 2**-19 relative when sum|x w| ~ |y|: about 2**-10 (0.1%) of values differ;
-#   measured <= 0.09% on both AVX512 and AVX2 kernels. Floor 99%: 10x margin.
-# - attention: a probability's BF16 rounding flips with chance (its pre-rounding error)/step, so the share grows
-#   linearly with the kernel's exp error. AVX2's exp (max error 2**-13.2) gives <= 1.7% differing here (AVX512's
-#   accurate exp <= 0.1%); an exp at the full KERNEL_EXP_REL_ERR everywhere would give <= 2.3 x 1.7% = 3.9%.
-#   Floor 95%, still above a capture that skips the kernel's BF16 probabilities (85-94% equal here).
-EQUAL_SHARE_FLOOR = {"matmul": 0.99, "attention": 0.95}
-MATMUL_INPUTS = {"q_proj": ("self_attn.q_proj", "input_norm.weight"), "k_proj": ("self_attn.k_proj", "input_norm.weight"),
-                 "v_proj": ("self_attn.v_proj", "input_norm.weight"), "o_proj": ("self_attn.o_proj", "attention"),
-                 "gate_proj": ("mlp.gate_proj", "post_norm.weight"), "up_proj": ("mlp.up_proj", "post_norm.weight"),
-                 "down_proj": ("mlp.down_proj", "swiglu")}
+def test_uniform_positions_sit_at_the_floor():
+    v = off_grid_values(100_000)
+    c = R.rounding_clustering(v)
+    assert c.n == c.n_all == v.numel() and c.exact_frac == 0.0
+    assert c.floor == 1 / math.sqrt(c.n)
+    # n * score**2 is a mean of 16 independent Exp(1) variables (sd 0.25): a factor 3 is far outside it
+    assert c.floor / 3 < c.score < 3 * c.floor
+    assert c.floor / 3 < c.score_without_ties < 3 * c.floor
+    # the mean signed error of uniform positions: within 5 standard errors of zero
+    assert c.mean_error_se == pytest.approx(1 / math.sqrt(12 * c.distinct), rel=0.05)
+    assert abs(c.mean_error) < 5 * c.mean_error_se
 
 
-def gamma(n: int) -> float:
-    """Higham's gamma_n: |fl(sum of n terms) - sum| <= gamma_n * sum|terms|, in any order."""
-    return n * FP32_U / (1 - n * FP32_U)
+def test_grid_values_are_excluded_and_floors_use_the_filtered_sample():
+    on, off = grid_values(30_000, seed=2), off_grid_values(10_000, seed=3)
+    c = R.rounding_clustering(torch.cat([on, off]))
+    assert (c.n_all, c.n) == (40_000, 10_000) and c.exact_frac == 0.75
+    # bitwise the score, floors and distinct count of the off-grid part alone
+    alone = R.rounding_clustering(off)
+    for field in ("score", "floor", "distinct", "distinct_floor", "score_without_ties", "mean_error"):
+        assert getattr(c, field) == getattr(alone, field), field
+    assert c.floor / 3 < c.score < 3 * c.floor
+    # counting the grid values as well is what made such a sample look clustered
+    assert R.fourier_clustering(R.rounding_position(torch.cat([on, off]))) > 0.5
 
 
-def matmul_error_bound(layer, name: str, bf16: dict, index: int) -> torch.Tensor:
-    """|kernel's FP32 y - our FP32 y| <= 2 gamma_{n+1} (|x| @ |W|^T + |b|): both sum exact BF16 products in FP32."""
-    module, input_location = MATMUL_INPUTS[name]
-    linear = layer.get_submodule(module)
-    x = bf16[input_location][index].float()
-    magnitude = x.abs() @ linear.weight.float().abs().T
-    if linear.bias is not None:
-        magnitude = magnitude + linear.bias.float().abs()
-    return 2 * gamma(linear.in_features + 1) * magnitude
+def test_a_sample_of_grid_values_only_gives_nan():
+    c = R.rounding_clustering(grid_values(1000))
+    assert c.n == 0 and c.n_all == 1000 and c.exact_frac == 1.0 and c.tie_frac == 0.0
+    assert all(math.isnan(getattr(c, f)) for f in ("score", "floor", "distinct_floor", "score_without_ties", "mean_error"))
+    assert math.isnan(R.rounding_clustering(torch.zeros(10)).score)
+    with pytest.raises(ValueError, match="no finite values"):
+        R.rounding_clustering(torch.tensor([float("nan"), float("inf")]))
 
 
-def flippable(e: torch.Tensor, rel_err: torch.Tensor) -> torch.Tensor:
-    """True where some value within e*(1 +- rel_err) rounds to another BF16 value than e (rounding is monotone)."""
-    return R.round_bf16(e * (1 - rel_err)) != R.round_bf16(e * (1 + rel_err))
-
-
-def attention_error_bound(attn, bf16: dict, index: int, mask: torch.Tensor) -> torch.Tensor:
-    """|kernel's FP32 attention output - ours| per element, (B, T, H*D), from the captured BF16 q, k, v.
-
-    Kernel (torch CPU flash attention, one KV block at these lengths): s' = q.k * scale in FP32, e' = exp(s' - max)
-    with relative error <= KERNEL_EXP_REL_ERR, p' = bf16(e'), S' = sum e', o' = p' @ v / S'. Ours is the same with
-    exact-order sums and torch.exp. e' = e (1 + eta), |eta| <= exp error + |s' - s| (<= 2 gamma_D scale |q|.|k|).
-    p' != p only where e is within that of a BF16 rounding boundary, and then by one step <= 2**-7 p. So
-    |o' - o| <= 2**-7 sum_{flippable} p |v| / S + (eta_max + gamma_T) A, A = sum p |v| / S; doubled for margin.
-    """
-    B, T = mask.shape
-    q = bf16["rope.q_sum"][index].float().transpose(1, 2)  # (B, H, T, D)
-    k = bf16["rope.k_sum"][index].float().transpose(1, 2)
-    v = bf16["v_proj"][index].float().view(B, T, -1, attn.head_dim).transpose(1, 2)
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
-    allowed = torch.ones(T, T, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
-    scores = ((q @ k.transpose(-1, -2)) * attn.scaling).masked_fill(~allowed, float("-inf"))
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    p, total = R.round_bf16(e).float(), e.sum(-1, keepdim=True)
-    score_err = 2 * gamma(attn.head_dim) * attn.scaling * (q.abs() @ k.abs().transpose(-1, -2))
-    eta = 2 * (KERNEL_EXP_REL_ERR + score_err)
-    flips = ((p * flippable(e, eta).logical_and(allowed)) @ v.abs()) * 2.0**-7
-    magnitude = (p @ v.abs()) * (eta.amax() + 2 * gamma(T))
-    bound = 2 * (flips + magnitude) / total
-    return bound.transpose(1, 2).reshape(B, T, -1)
-
-
-def assert_within_kernel_error(f, b, bound, floor, what):
-    """b is the rounding of some value within f +- bound, everywhere; and f itself rounds to b often enough."""
-    lo, hi = R.round_bf16(f - bound).float(), R.round_bf16(f + bound).float()
-    assert bool(((lo <= b.float()) & (b.float() <= hi)).all()), (what, float((b.float() - f).abs().max()))
-    equal = float((R.round_bf16(f) == b).double().mean())
-    assert equal >= floor, (what, equal, floor)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_capture_reproduces_the_stock_bf16_tensors(arch):
-    model = tiny_model(arch)
-    ids, mask = batch()
-    fp32, bf16 = R.capture_prerounding(model, ids, mask, return_bf16=True)
-    expected = [loc.name for loc in R.LOCATIONS if arch == "qwen3" or not loc.qwen3_only]
-    assert list(fp32) == expected and all(sorted(v) == [0, 1] for v in fp32.values())
-    real = mask.bool()  # padded positions are never read; the kernel's masked rows are not compared
-    for name in expected:
-        loc = R.LOCATION_BY_NAME[name]
-        for index in (0, 1):
-            f, b = fp32[name][index], bf16[name][index]
-            assert f.dtype == torch.float32 and b.dtype == torch.bfloat16 and f.shape[:2] == ids.shape
-            if loc.exact:  # pointwise op: the captured FP32 value rounds to the stock tensor bit for bit
-                assert bits_equal(R.round_bf16(f), b), (name, index)
-                continue
-            layer = model.model.layers[index]
-            if name == "attention":
-                bound, floor = attention_error_bound(layer.self_attn, bf16, index, mask), EQUAL_SHARE_FLOOR["attention"]
-            else:
-                bound, floor = matmul_error_bound(layer, name, bf16, index), EQUAL_SHARE_FLOOR["matmul"]
-            assert_within_kernel_error(f[real], b[real], bound[real], floor, (name, index))
-    # the BF16 tensors are the stock model's own (checked against forward hooks on the stock modules)
-    for (name, layer), out in stock_module_outputs(model, ids, mask).items():
-        if name in bf16:
-            assert bits_equal(bf16[name][layer].reshape(out.shape), out), (name, layer)
-
-
-def test_capture_selects_and_refuses():
-    model = tiny_model("qwen3", layers=2, seed=1)
-    ids, mask = batch()
-    sel = R.capture_prerounding(model, ids, mask, layers=[1], locations=["silu", "rope.q_cos"])
-    assert sorted(sel) == ["rope.q_cos", "silu"] and list(sel["silu"]) == [1]
-    assert sel["rope.q_cos"][1].shape == (*ids.shape, 4, 64)
-    with pytest.raises(ValueError, match="unknown location"):
-        R.capture_prerounding(model, ids, mask, locations=["nope"])
-    from rla_lib.align import aligned
-
-    with aligned(model, ("rope",)), pytest.raises(RuntimeError, match="stock"):
-        R.capture_prerounding(model, ids, mask)
-    with pytest.raises(TypeError, match="BF16"):
-        R.capture_prerounding(copy.deepcopy(model).float(), ids, mask)
-
-
-def test_distinct_prefix_mask():
-    ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
-    assert R.distinct_prefix_mask(ids, mask).tolist() == [[True, True, True], [False, False, True], [False, True, False]]
-
-
-def test_clustering_table_on_a_capture():
-    model = tiny_model("qwen2", layers=1, seed=2)
-    ids, mask = batch()
-    table = R.clustering_table(R.capture_prerounding(model, ids, mask), mask)
-    assert set(table.columns) >= {"location", "layer", "n", "score", "floor"}
-    assert bool((table.score <= 1 + 1e-12).all()) and bool((table.score > 0).all())
-    row = table.set_index("location").loc["o_proj"]
-    # the score and its floor count the values that round (n of n_all): exact ones are a separate share
-    assert row.n_all == int(mask.sum()) * 256 and row.n == round(row.n_all * (1 - row.exact_frac))
-    assert row.floor == pytest.approx(1 / math.sqrt(row.n))
-    summary = R.summarize_clustering(table)
-    assert list(summary.index) == list(dict.fromkeys(table.location))
-
-
-def test_region_probes_and_divergence():
-    model = tiny_model("qwen3", layers=2, seed=3)
-    ids, mask = batch()
-    with torch.no_grad():
-        with R.record_region_outputs(model, layer=0) as stock:
-            model(input_ids=ids, attention_mask=mask)
-        from rla_lib.align import aligned
-
-        with aligned(model, ("rope",)), R.record_region_outputs(model, layer=0) as rope:
-            model(input_ids=ids, attention_mask=mask)
-        with aligned(model, ("swiglu",)), R.record_region_outputs(model, layer=0) as swiglu:
-            model(input_ids=ids, attention_mask=mask)
-    assert model.config._attn_implementation == "sdpa"  # restored
-    assert set(stock) == {"rope", "swiglu", "residual_norm"}
-    diff = R.region_difference(stock["rope"][0], rope["rope"][0])
-    assert 0 < diff["differing"] < diff["elements"] and diff["max_steps"] >= 1
-    # SwiGLU comes after attention: aligning it leaves layer 0's rotated Q/K alone and changes its own output
-    assert R.region_difference(stock["rope"][1], swiglu["rope"][1])["differing"] == 0
-    assert R.region_difference(stock["swiglu"], swiglu["swiglu"])["differing"] > 0
-    table = R.layerwise_divergence(model, ids, mask, ("swiglu",), token_mask=mask)
-    assert table.stage.tolist() == ["layer 0", "layer 1", "final norm", "logits"]
-    assert bool((table.rel_diff > 0).all()) and bool((table.frac_differing <= 1).all())
-
-
-@pytest.mark.skipif(not (EMBEDDED_MODELS["qwen3-tiny"] / "config.json").exists(), reason="embedded model missing")
-def test_capture_on_the_embedded_model():
-    from rla_lib.models import load_model
-
-    model = load_model("qwen3-tiny")
-    ids, mask = batch()
-    fp32, bf16 = R.capture_prerounding(model, ids, mask, return_bf16=True, layers=[0, 3])
-    for name, per_layer in fp32.items():
-        if R.LOCATION_BY_NAME[name].exact:
-            for layer, f in per_layer.items():
-                assert bits_equal(R.round_bf16(f), bf16[name][layer]), (name, layer)
+def test_ties_round_to_the_even_neighbour_both_ways():
+    # 1 + (2j+1) 2**-8 lies halfway between 1 + j 2**-7 and the next BF16 value: even j rounds down, odd j up
+    ties = 1 + (2 * torch.arange(128, dtype=torch.float32) + 1) * 2.0**-8
+    c = R.rounding_clustering(torch.cat([ties, -ties]))
+    assert c.n == 256 and c.tie_frac == 1.0 and c.exact_frac == 0.0
+    assert c.score == pytest.approx(1.0, abs=1e-12)  # all at one position: the score counts them as clustered
+    assert c.mean_error == 0.0  # ... but their errors cancel exactly: half +1/2, half -1/2
+    assert math.isnan(c.score_without_ties)
+    # mixed with uniform positions, the tie share is reported and removing the ties restores the floor
+    off = off_grid_values(20_000, seed=4)
+    mixed = R.rounding_clustering(torch.cat([off, ties.repeat(40)]))
+    assert mixed.tie_frac == pytest.approx((5120 + int((R.rounding_position(off) == 0.5).sum())) / mixed.n_all)
+    assert mixed.score > 5 * mixed.floor and mixed.score_without_ties < 3 / math.sqrt(20_000)

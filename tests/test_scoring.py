@@ -66,3 +66,38 @@ def test_response_tokens_keeps_what_follows_each_prompt():
 
     per_seq = [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])]
     np.testing.assert_array_equal(response_tokens(per_seq, [1, 0]), [2.0, 3.0, 4.0, 5.0])
+
+
+def test_head_logprobs_checkpoints_chunks_with_the_same_values_and_gradients():
+    """Chunked + checkpointed LM head: the logprobs and the hidden-state gradient are the unchunked path's bit for
+    bit (the same ops on the same rows); the head's weight gradient is a sum over chunks instead of one matmul, so
+    in FP32 it differs by summation order only: a few ulps of its largest entry (1e-5 relative is a wide margin).
+    Autograd keeps only the chunk inputs, not a (tokens x vocab) log-softmax."""
+    from rla_lib.scoring import head_logprobs, log_softmax_at
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 5000, bias=False)
+    hidden = torch.randn(300, 32, requires_grad=True)
+    targets = torch.randint(0, 5000, (300,))
+    saved = []
+
+    def run(fn):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel() * x.element_size()) or x, lambda x: x):
+            out = fn()
+        return out, sum(saved)
+
+    naive, naive_bytes = run(lambda: log_softmax_at(head(hidden)).gather(-1, targets[:, None])[:, 0])
+    chunked, chunked_bytes = run(lambda: head_logprobs(head, hidden, targets, chunk_size=64))
+    assert torch.equal(naive, chunked)
+    assert naive_bytes >= 300 * 5000 * 4 and chunked_bytes <= hidden.numel() * 4 + targets.numel() * 8
+    (h_naive, w_naive), (h_chunked, w_chunked) = (torch.autograd.grad(lp.sum(), (hidden, head.weight)) for lp in (naive, chunked))
+    assert torch.equal(h_naive, h_chunked)
+    torch.testing.assert_close(w_chunked, w_naive, rtol=0, atol=1e-5 * w_naive.abs().max().item())
+
+
+def test_grad_logprobs_equal_no_grad_logprobs():
+    model = load_model("qwen3-tiny", dtype="float32")
+    seqs = _sequences(3)
+    for a, b in zip(token_logprobs(model, seqs, grad=True, chunk_size=7), token_logprobs(model, seqs, chunk_size=7)):
+        np.testing.assert_array_equal(a.detach().numpy(), b)

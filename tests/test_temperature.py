@@ -71,7 +71,7 @@ def fp32_engine():
 @pytest.mark.engine
 def test_engine_returns_the_tempered_distribution(fp32_engine):
     samples = [s for g in fp32_engine.sample(PROMPTS, n=4, max_tokens=24, temperature=T, seed=3) for s in g]
-    seqs, starts = [s.ids for s in samples], [len(s.prompt_ids) - 1 for s in samples]
+    seqs, starts = [s.ids for s in samples], [s.response_start for s in samples]
     engine_lp = [s.logprobs for s in samples]
     model = load_model("qwen3-tiny", dtype="float32")
     tempered = [lp[a:] for lp, a in zip(token_logprobs(model, seqs, temperature=T), starts)]

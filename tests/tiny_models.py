@@ -1,9 +1,13 @@
-"""Small random-init Qwen models, a padded batch and a one-thread fixture, shared by the rounding and clustering tests."""
+"""Small random-init Qwen models, a padded batch and a one-thread fixture, shared by the rounding, capture and clustering tests."""
 
 import functools
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
+from rla_lib.pretrain import make_config
+from rla_lib.scoring import pad_batch
 
 
 @pytest.fixture(autouse=True)
@@ -18,10 +22,6 @@ def one_thread():
 @functools.lru_cache(maxsize=None)
 def tiny_model(arch, layers=2, seed=0):
     """A random-init BF16 model of the embedded shape (shared between tests: do not modify it)."""
-    from transformers import AutoModelForCausalLM
-
-    from rla_lib.pretrain import make_config
-
     torch.manual_seed(seed)
     cfg = make_config(arch)
     cfg.num_hidden_layers = layers
@@ -34,6 +34,4 @@ def tiny_model(arch, layers=2, seed=0):
 
 
 def batch():
-    from rla_lib.scoring import pad_batch
-
     return pad_batch([[1, 2, 3, 11, 4, 5, 14, 6, 0], [3, 3, 11, 2, 14, 5, 0], [1, 2, 3], [9, 9, 12, 1, 14, 10, 8]])

@@ -27,3 +27,45 @@ if _level in ("avx512", "avx2"):
     torch.cpu._is_amx_tile_supported = lambda: False
     if _level == "avx2":
         torch.cpu._is_avx512_supported = lambda: False
+
+# vLLM's worker keeps spinning on its message queue for `busy_loop_s` (1 s) after every request, a full core
+# taken from whatever runs next: in an RL loop, the training step that follows each rollout. With
+# RLA_VLLM_IDLE_SPIN_S set (rla_lib.engine sets 0) the worker waits on its socket instead once that long has passed
+# since its last message: same results, a little wake-up latency per decode step.
+_spin = os.environ.get("RLA_VLLM_IDLE_SPIN_S")
+if _spin is not None:
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _PatchAfterImport(importlib.abc.MetaPathFinder):
+        """Runs `patch(module)` once `name` has been imported (its loader executes it, then the patch)."""
+
+        def __init__(self, name, patch):
+            self.name, self.patch = name, patch
+
+        def find_spec(self, fullname, path, target=None):
+            if fullname != self.name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            execute = spec.loader.exec_module
+
+            def execute_and_patch(module):
+                execute(module)
+                self.patch(module)
+
+            spec.loader.exec_module = execute_and_patch
+            return spec
+
+    def _shorter_spin(module, seconds=float(_spin)):
+        init = module.SpinCondition.__init__
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if self.is_reader:
+                self.busy_loop_s = seconds
+
+        module.SpinCondition.__init__ = __init__
+
+    sys.meta_path.insert(0, _PatchAfterImport("vllm.distributed.device_communicators.shm_broadcast", _shorter_spin))

@@ -1,0 +1,136 @@
+"""Align the training side to an engine in one call: its rounding schedule read from its code, attention probed.
+
+    handle = align_to_engine(model, engine)            # a running Engine, compiled or eager
+    handle = align_to_engine(model, "schedule.json")   # or a saved schedule (e.g. read on a GPU machine)
+    handle.undo()                                      # stock again, bit for bit
+
+The schedule's points come from `rla_lib.graphs`: the engine's inductor output code (compiled) or its aten
+trace (eager), captured once per model, mode and machine and cached under results/graphs. Attention is an
+opaque kernel in every engine, so its numerics cannot be read there; `probe_attention` measures them end to
+end instead: the engine scores held-out task sequences, the training side aligned to the schedule scores the
+same tokens with each of `rla_lib.align`'s attention numerics, and the one closest to the engine is kept
+(lowest exact KL where the vocabulary is small enough to compare whole distributions; lowest mean |logprob
+difference| of the scored tokens otherwise). The choice and its evidence go into the schedule's
+"attention" section, so a saved schedule carries them and `graphs.schedule_to_align_kwargs` applies them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import kl, task
+from .align import ALL_REGIONS, AlignOptions, align
+from .engine import Engine
+from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
+from .machine import machine_key
+from .models import load_model, resolve_model
+from .scoring import token_logprobs
+
+ATTENTION_NUMERICS = AlignOptions.CHOICES["attention"]
+
+
+def probe_sequences(engine: Engine, n: int = 64, max_tokens: int = 32, seed: int = 0) -> list[list[int]]:
+    """Held-out task prompts with one response each, sampled by the engine (T=1)."""
+    prompts = [p.prompt for p in task.load_split()[:n]]
+    return [g[0].ids for g in engine.sample(prompts, n=1, max_tokens=max_tokens, seed=seed, progress=False)]
+
+
+def closeness(engine_scores, training_scores, full: bool) -> float:
+    """How far the training side is from the engine on the same tokens: exact KL(engine || training) per
+    token (full distributions), else mean |logprob difference| of the scored tokens."""
+    if full:
+        return float(np.mean(np.concatenate([kl.exact_terms(e.full, t[1]) for e, t in zip(engine_scores, training_scores)])))
+    return float(np.mean(np.abs(np.concatenate([e.token_logprobs - t for e, t in zip(engine_scores, training_scores)]))))
+
+
+def probe_attention(engine: Engine, model, regions, options: dict, sequences) -> dict:
+    """Which attention numerics, on top of (regions, options), bring the training side closest to the engine."""
+    full = engine.spec.small_vocab
+    engine_scores = engine.score(sequences, full_vocab=full, progress=False)
+    distance = {}
+    for numerics in ATTENTION_NUMERICS:
+        handle = align(model, (*regions, "attention"), **(options | {"attention": numerics}))
+        try:
+            distance[numerics] = closeness(engine_scores, token_logprobs(model, sequences, full_vocab=full), full)
+        finally:
+            handle.undo()
+    best = min(distance, key=distance.get)
+    return {"numerics": best, "distance": distance, "measure": "exact KL per token" if full else "mean |logprob difference|",
+            "sequences": len(sequences), "tokens": int(sum(len(s) - 1 for s in sequences)),
+            "how": "probed end to end (rla_lib.engine_align.probe_attention): the engine's attention is an opaque kernel"}
+
+
+def with_attention(sched: dict, numerics: str, **evidence) -> dict:
+    """The schedule with its attention section (how the numerics were chosen goes in `evidence`)."""
+    if numerics not in ATTENTION_NUMERICS:
+        raise ValueError(f"attention numerics must be one of {ATTENTION_NUMERICS}, got {numerics!r}")
+    return sched | {"attention": {"numerics": numerics, **evidence}}
+
+
+def vllm_cos_sin_cache(config) -> torch.Tensor:
+    """vLLM's rotary cos/sin cache for a Qwen config, as its RotaryEmbedding builds it: FP32 frequencies and
+    angles, cos and sin concatenated, rounded once to BF16 (max_position_embeddings x head_dim)."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.einsum("i,j -> ij", torch.arange(config.max_position_embeddings, dtype=torch.float), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), -1).to(torch.bfloat16)
+
+
+def cos_sin_equal(model) -> bool:
+    """Whether vLLM's BF16 cos/sin cache equals the stock Transformers model's BF16 cos/sin, bit for bit."""
+    config = model.config
+    cache = vllm_cos_sin_cache(config)
+    half = cache.shape[-1] // 2
+    positions = torch.arange(config.max_position_embeddings)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), positions)
+    return torch.equal(cache[:, :half], cos[0, :, :half]) and torch.equal(cache[:, half:], sin[0, :, :half])
+
+
+def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences: int = 64, force: bool = False) -> dict:
+    """The rounding schedule of a running engine: points read from its code or trace (cached capture of the same
+    model and mode on this machine), plus its attention numerics probed against `model` (default: loaded here)."""
+    side = f"vllm:{engine.mode}"
+    points, _ = read_sides(engine.spec.path, (side,), force=force, progress=False)
+    sched = schedule(points[side], side)
+    if probe:
+        model = load_model(engine.spec.path, dtype=engine.dtype) if model is None else model
+        regions, options = schedule_to_align_kwargs(sched)
+        found = probe_attention(engine, model, regions, options, probe_sequences(engine, n_sequences))
+        sched = with_attention(sched, **found)
+    return sched
+
+
+def engine_schedule_path(model, mode: str) -> Path:
+    """Where the engine's full schedule for (model, mode) on this machine is kept (BF16 kernels differ by machine)."""
+    return GRAPHS_DIR / resolve_model(model).path.name / f"engine-schedule-{mode}-{machine_key()}.json"
+
+
+def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dict:
+    """The engine's full schedule for (model, mode): the one kept on this machine (notebook 02 or an earlier call),
+    else read and probed now (one engine start) and kept."""
+    path = engine_schedule_path(model, mode)
+    if path.exists():
+        return load_schedule(path)
+    with Engine(model, mode=mode) as engine:
+        sched = engine_schedule(engine, **schedule_kwargs)
+    save_schedule(sched, path)
+    return sched
+
+
+def align_to_engine(model, source, **schedule_kwargs):
+    """Make `model` round where the engine does: `source` is a running `Engine`, a schedule (dict) or the path
+    of a saved one. Returns the `rla_lib.align` handle (`.undo()` restores stock). What the options cannot
+    express is listed by `graphs.schedule_notes(schedule)`."""
+    if isinstance(source, Engine):
+        sched = engine_schedule(source, model, **schedule_kwargs)
+    elif isinstance(source, (str, Path)):
+        sched = load_schedule(source)
+    elif isinstance(source, dict):
+        sched = source
+    else:
+        raise TypeError(f"source must be an Engine, a schedule dict or a schedule file, got {type(source).__name__}")
+    regions, options = schedule_to_align_kwargs(sched)
+    return align(model, tuple(r for r in ALL_REGIONS if r in regions), **options)

@@ -1,0 +1,269 @@
+"""Graphs of the real engines: compile caches found and parsed, engine runs captured in a subprocess, each side's
+graph and points (`read_sides`), and the `python -m rla_lib.graphs capture ...` entry point of that subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from ..machine import machine, machine_key
+from ..models import load_model, resolve_model
+from ..paths import ROOT
+from ..progress import bar
+from .aten import AtenTracer, default_ids, training_graph
+from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic_write_json
+from .inductor import parse_output_code
+from .reader import AnalysisError, read_points
+
+SIDES = ("vllm:compiled", "vllm:eager", "hf:compiled", "hf:eager")
+_MATMUL_CALLS = ("onednn_mm", "extern_kernels.mm", "extern_kernels.addmm", "aten.mm", "weight_packed_linear")
+
+
+# ---- compile caches -------------------------------------------------------------------------------------
+def find_output_code(cache_dir) -> list[Path]:
+    """Inductor output-code files under a compile cache (vLLM's VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, a
+    capture directory, or a directory you copied them into), in compile order (inductor's AOT ID)."""
+    cache_dir = Path(cache_dir)
+    if not cache_dir.exists():
+        raise GraphParseError(f"{cache_dir}: no such compile-cache directory")
+    files = []
+    for p in sorted(cache_dir.rglob("*.py")):
+        try:
+            head = p.read_text(errors="replace")
+        except OSError:
+            continue
+        if "async_compile" in head and re.search(r"^\s*def call\(", head, re.M):
+            m = re.search(r"# AOT ID: \['(\d+)_", head)
+            files.append((int(m.group(1)) if m else 10**6, p.stat().st_mtime, p))
+    return [p for _, _, p in sorted(files)]
+
+
+def _is_decoder_code(path: Path) -> bool:
+    text = path.read_text(errors="replace")
+    return any(k in text for k in _MATMUL_CALLS)
+
+
+def parse_cache(cache_dir, name="compiled") -> Graph:
+    """The decoder graph from a compile cache: one complete graph (the first whole-model one when several
+    shape-specialised compiles exist), else all decoder pieces concatenated in compile order (piecewise)."""
+    files = [p for p in find_output_code(cache_dir) if _is_decoder_code(p)]
+    if not files:
+        raise GraphParseError(f"{cache_dir}: no inductor output code with matmuls (a decoder graph) found under it. "
+                              "Point cache_dir at vLLM's VLLM_CACHE_ROOT (or its torch_compile_cache/...), a "
+                              "TORCHINDUCTOR_CACHE_DIR, or a capture directory made by rla_lib.graphs.capture.")
+    whole = []
+    for p in files:
+        g = parse_output_code(p, name=name)
+        try:
+            read_points(g)
+            whole.append(g)
+        except AnalysisError:
+            continue
+    if whole:
+        g = whole[0]
+        g.meta["alternatives"] = [x.meta["files"][0] for x in whole[1:]]
+        return g
+    g = Graph(name)
+    for p in files:
+        n0 = len(g.nodes)
+        parse_output_code(p, graph=g)
+        if n0:  # the engine runs attention between compiled pieces
+            g.add("attention", [n0 - 1], "bf16", rounds=True, kernel="(outside the compiled pieces)",
+                  text="piece boundary")
+    g.meta["piecewise"] = True
+    return g
+
+
+def merge_graphs(first: Graph, second: Graph, name=None) -> Graph:
+    """`second` appended after `first`; its non-parameter activation inputs read `first`'s last output."""
+    g = Graph(name or first.name, [dataclasses.replace(n) for n in first.nodes], dict(first.kernels), dict(first.meta))
+    outs = first.meta.get("outputs") or [len(first.nodes) - 1]
+    off = len(g.nodes)
+    for n in second.nodes:
+        if n.op == "input" and n.kernel == "input" and n.dtype in BF16_DTYPES:
+            g.nodes.append(Node(n.id + off, "view", [outs[-1]], n.dtype, text=f"{n.text} = {first.name} output",
+                                kernel="link"))
+        else:
+            g.nodes.append(dataclasses.replace(n, id=n.id + off, inputs=[i + off for i in n.inputs]))
+    g.kernels.update(second.kernels)
+    for k, v in second.meta.items():
+        g.meta.setdefault(k, v)
+    return g
+
+
+# ---- capturing an engine run (in a fresh process) -------------------------------------------------------
+def _capture_hf(model: str) -> dict:
+    """torch.compile of the Transformers model, run once: inductor writes its output code to the cache."""
+    compiled = torch.compile(load_model(model, dtype="bfloat16"))
+    with torch.no_grad():
+        compiled(input_ids=torch.tensor([default_ids()]))
+    return dict(torch=torch.__version__, model_path=str(resolve_model(model).path),
+                inductor_cache=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+
+def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
+    """vLLM scores one prompt; the aten trace of what runs eagerly (all of it in eager mode, else the logits
+    processor, which vLLM runs outside the compiled graph) is saved next to the compile cache."""
+    eng = Engine(model, mode=mode, seed=0, max_model_len=64)
+    vm = eng.model_module()
+    hooked = [vm, vm.logits_processor] if mode == "eager" else [vm.logits_processor]
+    tracer = AtenTracer(vm, name=f"vllm:{mode}", hooked=hooked, max_forwards=len(hooked))
+    try:
+        eng.score([default_ids()], full_vocab=False)
+    finally:
+        tracer.close()
+    g = tracer.graph
+    if mode == "eager":
+        try:
+            g.meta.setdefault("probes", {})["rotary_embedding"] = eng.probe_rotary_kernel()
+        except Exception as e:  # noqa: BLE001 - recorded, the analysis then reports the kernel as opaque
+            g.meta.setdefault("probes", {})["rotary_embedding"] = {"error": f"{type(e).__name__}: {e}"}
+    info = eng.compilation_info()
+    found = dict(vllm=info["vllm"], torch=torch.__version__, model_path=str(eng.spec.path), device=info["device"],
+                 compilation=info["compilation"], vllm_cache_root=os.environ.get("VLLM_CACHE_ROOT"))
+    g.meta.update({**meta, **found})
+    g.save(out / ("trace.json" if mode == "eager" else "lm_head_trace.json"))
+    eng.close()
+    return found
+
+
+def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
+    """Run in a fresh process (`python -m rla_lib.graphs capture ...`): the environment is set before imports."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    meta = {"model": model, "engine": engine, "mode": mode, "python": sys.version.split()[0]}
+    meta.update(_capture_hf(model) if engine == "hf" else _capture_vllm(model, mode, out, meta))
+    meta["seconds"] = round(time.time() - t0, 1)
+    meta["machine"] = machine()  # the kernels, and so the graph, depend on it
+    atomic_write_json(out / "capture.json", meta)
+
+
+def capture_dir(model, engine="vllm", mode="compiled") -> Path:
+    spec = resolve_model(model)
+    key = hashlib.sha1(str(spec.path).encode()).hexdigest()[:8]
+    # The kernels, and so the graph, depend on the machine (rla_lib.machine): one capture per machine.
+    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}-{machine_key()}"
+
+
+def _capture_env(engine: str, out: Path) -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
+    if engine == "vllm":
+        # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE): its output code
+        # goes to TORCHINDUCTOR_CACHE_DIR. With VLLM_COMPILE (GPU) vLLM's backend puts it under VLLM_CACHE_ROOT.
+        # Fresh directories make the compile cold, so the code is (re)generated here.
+        env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"),
+                   VLLM_USE_AOT_COMPILE="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"))
+    return env
+
+
+def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, force=False, timeout=1800) -> Path:
+    """Run the engine once in a subprocess with a known compile cache; returns the capture directory.
+
+    engine="vllm": real vLLM (mode "compiled" or "eager"), in-process engine core, VLLM_CACHE_ROOT=<dir>/vllm_cache,
+    TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache, VLLM_USE_AOT_COMPILE=0 (fresh, so the compile is cold and
+    writes its output code there); compiled mode also traces the logits processor (which vLLM runs eagerly,
+    outside the compiled graph); eager mode traces the whole forward at the aten level.
+    engine="hf": torch.compile of the Transformers model (mode "compiled"), TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache.
+    A finished capture (capture.json present) is reused unless force=True.
+    """
+    if engine == "vllm" and mode not in ("compiled", "eager"):
+        raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
+    if engine == "hf" and mode != "compiled":
+        raise ValueError("engine='hf' captures torch.compile of Transformers: mode must be 'compiled' (the eager side "
+                         "is traced in-process by training_graph)")
+    out = Path(out_dir) if out_dir else capture_dir(model, engine, mode)
+    if (out / "capture.json").exists() and not force:
+        return out
+    if out.exists() and force:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "rla_lib.graphs", "capture", str(model), engine, mode, str(out)]
+    proc = subprocess.run(cmd, env=_capture_env(engine, out), cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=timeout)
+    (out / "capture.log").write_text(proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0 or not (out / "capture.json").exists():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"capture of {model} ({engine} {mode}) failed (exit {proc.returncode}); log: "
+                           f"{out / 'capture.log'}\n{tail}")
+    return out
+
+
+# ---- each side's graph and points ----------------------------------------------------------------------
+def engine_graph(cap_or_cache, mode=None, name=None) -> Graph:
+    """The engine's value graph from a capture directory or any compile cache.
+
+    A capture made in eager mode holds an aten trace (trace.json); otherwise the inductor output code under
+    the directory is parsed, and the lm_head trace of a vLLM capture (vLLM runs the logits processor
+    outside the compiled graph) is appended.
+    """
+    d = Path(cap_or_cache)
+    meta = json.loads((d / "capture.json").read_text()) if (d / "capture.json").exists() else {}
+    mode = mode or meta.get("mode") or "compiled"
+    if mode == "eager":
+        if not (d / "trace.json").exists():
+            raise GraphParseError(f"{d}: an eager engine leaves no compile cache; this needs the aten trace "
+                                  "(trace.json) written by rla_lib.graphs.capture(..., mode='eager')")
+        g = Graph.load(d / "trace.json")
+    else:
+        g = parse_cache(d, name=name or f"{meta.get('engine', 'vllm')}:compiled")
+        if (d / "lm_head_trace.json").exists():
+            g = merge_graphs(g, Graph.load(d / "lm_head_trace.json"))
+    if name:
+        g.name = name
+    elif meta:
+        g.name = f"{meta.get('engine', 'vllm')}:{mode}"
+    g.meta.update({k: v for k, v in meta.items() if k != "seconds"})
+    return g
+
+
+def side_graph(model, side: str, force: bool = False) -> Graph:
+    """The value graph of one side: 'vllm:compiled', 'vllm:eager', 'hf:compiled' (captured in a subprocess,
+    cached under results/graphs/captures) or 'hf:eager' (traced in this process)."""
+    if side == "hf:eager":
+        return training_graph(model)
+    engine, _, mode = side.partition(":")
+    if engine not in ("vllm", "hf") or mode not in ("compiled", "eager"):
+        raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
+    return engine_graph(capture(model, mode, engine=engine, force=force), name=side)
+
+
+def read_sides(model, sides=SIDES, force: bool = False, progress: bool | None = None):
+    """(points, graphs) per side for one model; the points are also saved as JSON under results/graphs/.
+
+    progress: a bar over the sides, a capture (an engine start and compile, minutes) each when not cached
+    (None: only in a Jupyter kernel, see `rla_lib.progress`).
+    """
+    graphs_, points = {}, {}
+    sides_bar = bar(sides, progress, desc=f"{model} graphs", leave=False)
+    for side in sides_bar:
+        sides_bar.set_postfix_str(side)
+        graphs_[side] = side_graph(model, side, force=force)
+        points[side] = read_points(graphs_[side])
+        out = GRAPHS_DIR / resolve_model(model).path.name / f"points-{side.replace(':', '-')}.json"
+        atomic_write_json(out, points[side].to_json())
+    return points, graphs_
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 5 and argv[0] == "capture":
+        _capture_main(*argv[1:])
+        return
+    print("usage: python -m rla_lib.graphs capture MODEL {vllm|hf} {compiled|eager} OUT_DIR", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,60 @@
+"""rla_lib.graphs schedules: JSON round trip, mapping to rla_lib.align options, and back through a traced model."""
+
+import pytest
+
+from rla_lib import graphs
+from rla_lib.align import REGIONS, AlignOptions, current
+from test_graphs_inductor import CPU_CODE
+from test_graphs_reader import tiny
+
+
+def effective(regions, options, family):
+    """The settings that matter: options of enabled regions only (Qwen2 has no Q/K norm)."""
+    opts = AlignOptions(**options)
+    keep = set()
+    if "rope" in regions:
+        keep |= {"rope_cos_sin"} | ({"rope_qk_norm"} if family == "qwen3" else set())
+    if "residual_norm" in regions:
+        keep |= {"norm_weight", "residual_stream"}
+    return tuple(r for r in REGIONS if r in regions), {k: getattr(opts, k) for k in sorted(keep)}
+
+
+def test_schedule_json_roundtrip_and_apply(tmp_path):
+    sched = graphs.schedule(graphs.read_points(graphs.parse_output_code(CPU_CODE)), "vllm:compiled")
+    path = graphs.save_schedule(sched, tmp_path / "schedule.json")
+    loaded = graphs.load_schedule(path)
+    regions, options = graphs.schedule_to_align_kwargs(loaded)
+    assert regions == REGIONS
+    assert options == {"rope_cos_sin": "bf16", "rope_qk_norm": "fp32", "norm_weight": "fp32", "residual_stream": "fp32"}
+    model = tiny("qwen3")
+    handle = graphs.align_to_schedule(model, loaded)
+    assert current(model) == (regions, AlignOptions(**options))
+    handle.undo()
+    assert current(model) is None
+    with pytest.raises(graphs.GraphParseError):
+        (tmp_path / "other.json").write_text('{"format": "something else"}')
+        graphs.load_schedule(tmp_path / "other.json")
+
+
+CASES = [
+    ((), {}),
+    (REGIONS, {}),  # the paper
+    (REGIONS, {"rope_cos_sin": "bf16", "norm_weight": "fp32", "residual_stream": "fp32"}),  # compiled vLLM on CPU
+    (("rope", "residual_norm"), {"rope_cos_sin": "bf16", "rope_qk_norm": "stock"}),  # eager vLLM on CPU
+    (("swiglu",), {}),
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("regions,options", CASES, ids=["stock", "paper", "compiled-like", "eager-like", "swiglu"])
+def test_applying_a_schedule_reproduces_its_settings(family, regions, options):
+    """Trace a model aligned with given settings, read its rounding schedule off the trace, map it back."""
+    model = tiny(family)
+    points = graphs.read_points(graphs.training_graph(model, regions, options))
+    sched = graphs.schedule(points, "hf:aligned")
+    got = graphs.schedule_to_align_kwargs(sched)
+    assert effective(*got, family) == effective(regions, options, family)
+    assert sched["align"]["exact"], sched["align"]["notes"]
+    # and aligning to that schedule rounds exactly where the traced model did
+    again = graphs.read_points(graphs.training_graph(model, *got))
+    assert again.summary() == points.summary()
