@@ -4,7 +4,9 @@
     python benchmarks/align_overhead.py --shape small --rounds 3     # quick look
 
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
-and SwiGLU kernels; the residual norms have no fused form).
+and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
+compiled engine's schedule for the embedded Qwen3 with its attention numerics (`rla_lib.engine_align`;
+kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused.
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
 configuration. Configurations run round-robin (the order rotates every round), so load from other
@@ -35,6 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rla_lib import align as rla
+from rla_lib.engine_align import engine_schedule_for
+from rla_lib.graphs import schedule_to_align_kwargs
 from rla_lib.kl import bootstrap_indices
 from rla_lib.machine import use_bf16_matmul
 from rla_lib.paths import MODELS_DIR
@@ -53,6 +57,13 @@ CONFIGS = {
     "all 3 fused": (rla.REGIONS, {"fused": True}),
     "stock (A/A)": None,
 }
+
+
+def add_engine_schedule() -> None:
+    """The engine-aligned configurations (schedule + attention), eager and fused."""
+    regions, options = schedule_to_align_kwargs(engine_schedule_for("qwen3-tiny", "compiled"))
+    CONFIGS["engine schedule"] = (regions, options)
+    CONFIGS["engine schedule fused"] = (regions, options | {"fused": True})
 
 
 def small_model(device: str) -> tuple[str, torch.nn.Module]:
@@ -186,6 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--no-fused", action="store_true", help="skip the fused=True configurations")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-aligned configurations")
     parser.add_argument("--rounds", type=int, default=7, help="timed round-robin rounds")
     parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -195,6 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.no_engine:
+        add_engine_schedule()
     if args.no_fused:
         for name in [name for name, config in CONFIGS.items() if config and config[1].get("fused")]:
             del CONFIGS[name]

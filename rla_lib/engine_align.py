@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import kl, task
+from . import kl, sides, task
 from .align import ALL_REGIONS, AlignOptions, align
 from .engine import Engine
 from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
@@ -92,7 +92,7 @@ def cos_sin_equal(model) -> bool:
 def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences: int = 64, force: bool = False) -> dict:
     """The rounding schedule of a running engine: points read from its code or trace (cached capture of the same
     model and mode on this machine), plus its attention numerics probed against `model` (default: loaded here)."""
-    side = f"vllm:{engine.mode}"
+    side = sides.engine(engine.mode)
     points, _ = read_sides(engine.spec.path, (side,), force=force, progress=False)
     sched = schedule(points[side], side)
     if probe:

@@ -5,8 +5,8 @@
     run.difference("vllm:compiled", "hf:bf16:none", "hf:bf16:rope+swiglu+residual_norm")   # paired change
     run.save(path); MismatchRun.load(path)
 
-Sides are named `vllm:<mode>` (the engine), `hf:bf16:<config>` (Transformers BF16, stock when the
-config is `none`, else aligned with those regions) and `hf:fp32` (Transformers FP32). Only response
+Sides are named as everywhere (`rla_lib.sides`): `vllm:<mode>` (the engine), `hf:bf16:<config>` (Transformers
+BF16, stock when the config is `none`, else aligned with those regions) and `hf:fp32` (Transformers FP32). Only response
 tokens are kept: they are what a policy-gradient update uses. Full next-token distributions are kept
 where the vocabulary is small; otherwise only the scored tokens' logprobs. Each sequence keeps the
 index of the held-out prompt it answers: the prompt is the unit of every error bar (`rla_lib.kl`).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import kl, task
+from . import kl, sides, task
 from .align import ALL_REGIONS, REGIONS, AlignOptions, align
 from .engine import Engine
 from .machine import machine, machine_key
@@ -301,7 +301,7 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
     """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own)."""
     t_kwargs = _temperature_kwargs(temperature)
     for mode in bar(modes, progress, desc="vLLM modes", leave=False):
-        side, path = f"vllm:{mode}", None if folder is None else folder / f"vllm-{mode}.npz"
+        side, path = sides.engine(mode), None if folder is None else folder / f"vllm-{mode}.npz"
         if run is not None and load_side(run, side, path):
             continue
         with Engine(model, mode=mode, seed=key["seed"]) as engine:
@@ -319,10 +319,11 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
     return run
 
 
-def _score_training_sides(run, model, sides: dict, folder, full, temperature, progress=None) -> None:
-    """Add every training side; the model of a dtype is loaded only if some side of it must be scored."""
+def _score_training_sides(run, model, scorers: dict, folder, full, temperature, progress=None) -> None:
+    """Add every training side (side -> (dtype, regions, options)); the model of a dtype is loaded only if some
+    side of it must be scored."""
     loaded, done = {}, {}
-    for side, (dtype, regions, options) in bar(sides.items(), progress, total=len(sides), desc="training sides", leave=False):
+    for side, (dtype, regions, options) in bar(scorers.items(), progress, total=len(scorers), desc="training sides", leave=False):
         path = side_file(folder, dtype, regions, options)
         identity = (dtype, json.dumps(canonical_config(regions, options)))
         if identity in done:
@@ -372,16 +373,16 @@ def measure(
     spec = resolve_model(model)
     if training_configs is None:
         training_configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
-    key = sample_key(spec.path, f"vllm:{modes[0]}", n_prompts, n_samples, max_tokens, temperature, seed)
+    key = sample_key(spec.path, sides.engine(modes[0]), n_prompts, n_samples, max_tokens, temperature, seed)
     folder = cache_folder(cache_dir, key)
     full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"
     run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
     run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress)
-    sides = {f"hf:bf16:{name}": ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
+    scorers = {sides.training(name): ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
     if fp32_reference:
-        sides["hf:fp32"] = ("float32", (), {})
-    _score_training_sides(run, model, sides, folder, full, temperature, progress)
+        scorers[sides.FP32] = ("float32", (), {})
+    _score_training_sides(run, model, scorers, folder, full, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}
     return run

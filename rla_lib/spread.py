@@ -23,14 +23,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import graphs, machine, mismatch
+from . import graphs, machine, mismatch, sides
 from .align import REGIONS
 from .engine import bf16_linear
 from .paths import RESULTS_DIR, atomic_write, slug
 
 MODES = ("compiled", "eager")
 PAPER = mismatch.config_name(REGIONS)
-SIDES = {"stock": "hf:bf16:none", "paper": f"hf:bf16:{PAPER}", "schedule": "hf:bf16:schedule_{mode}"}
+SIDES = {"stock": sides.STOCK, "paper": sides.training(PAPER), "schedule": sides.training("schedule_{mode}")}
 SPREAD_DIR = RESULTS_DIR / "spread"
 
 
@@ -39,24 +39,24 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
                  progress: bool | None = None) -> tuple[pd.DataFrame, dict]:
     """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
-    points, _ = graphs.read_sides(model, tuple(f"vllm:{mode}" for mode in MODES), progress=progress)
+    points, _ = graphs.read_sides(model, tuple(sides.engine(mode) for mode in MODES), progress=progress)
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
     for mode in MODES:
-        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(graphs.schedule(points[f"vllm:{mode}"]))
+        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(graphs.schedule(points[sides.engine(mode)]))
     run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
                            max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)
     m = machine.machine()
     rows = []
     for mode in MODES:
-        sides = {name: side.format(mode=mode) for name, side in SIDES.items()}
-        kl = mismatch.table(run, f"vllm:{mode}", list(sides.values()), ("exact",), n_boot=n_boot, seed=seed)
+        compared = {name: side.format(mode=mode) for name, side in SIDES.items()}
+        kl = mismatch.table(run, sides.engine(mode), list(compared.values()), ("exact",), n_boot=n_boot, seed=seed)
         row = dict(model=model, level=m["isa_level"], mode=mode, cpu_capability=m["cpu_capability"],
                    bf16_matmul=m["bf16_matmul"], prompts=int(kl["prompts"].iloc[0]), tokens=int(kl["tokens"].iloc[0]))
-        for name, side in sides.items():
+        for name, side in compared.items():
             row |= {name: kl.loc[side, "exact"], f"{name} ci_low": kl.loc[side, "exact ci_low"],
                     f"{name} ci_high": kl.loc[side, "exact ci_high"]}
         for a, b in [("stock", "paper"), ("stock", "schedule"), ("paper", "schedule")]:
-            d = run.difference(f"vllm:{mode}", sides[a], sides[b], "exact", n_boot=n_boot, seed=seed)
+            d = run.difference(sides.engine(mode), compared[a], compared[b], "exact", n_boot=n_boot, seed=seed)
             row |= {f"{a}->{b}": d.relative, f"{a}->{b} ci_low": d.rel_ci_low, f"{a}->{b} ci_high": d.rel_ci_high,
                     f"{a}->{b} separated": d.separated}
         rows.append(row)

@@ -6,7 +6,7 @@ the diff in code, for whatever engine version, backend and compile settings prod
     cap = capture("qwen3-tiny", "compiled")              # real vLLM in a subprocess, fresh compile cache
     g = engine_graph(cap)                                # its inductor output code, parsed (or any cache dir)
     points = {"vllm:compiled": read_points(g),           # per layer: is each value rounded where it is read?
-              "hf:eager": read_points(training_graph("qwen3-tiny"))}
+              "hf:bf16:none": read_points(training_graph("qwen3-tiny"))}
     points_table(points); rounding_diff(points, "vllm:compiled"); kernel_table(g, points["vllm:compiled"])
     sched = schedule(points["vllm:compiled"])            # the rounding schedule (JSON: save_schedule)
     regions, options = schedule_to_align_kwargs(sched)   # -> rla_lib.align.align(model, regions, **options)

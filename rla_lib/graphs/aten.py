@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import sides
 from ..align import align
 from ..models import load_model, resolve_model
 from ..tokenizer import VOCAB
@@ -211,7 +212,7 @@ def _vllm_ir_impl(func):
     return getattr(target, "_inner_call", None)
 
 
-def trace_forward(model, input_ids, name="hf:eager", **forward_kwargs) -> Graph:
+def trace_forward(model, input_ids, name=sides.STOCK, **forward_kwargs) -> Graph:
     """Trace one eager forward of a Transformers causal LM (logits included) at the aten level."""
     with torch.no_grad(), AtenTracer(model, name=name, max_forwards=1) as tr:
         model(input_ids=input_ids, **forward_kwargs)
@@ -232,7 +233,7 @@ def training_graph(model="qwen3-tiny", regions=None, options=None, name=None, id
     handle = align(m, tuple(regions), **(options or {})) if regions is not None else None
     try:
         ids_t = torch.tensor([ids or default_ids()])
-        g = trace_forward(m, ids_t, name=name or ("hf:eager" if handle is None else "hf:aligned"))
+        g = trace_forward(m, ids_t, name=name or (sides.STOCK if handle is None else sides.training("aligned")))
     finally:
         if handle is not None:
             handle.undo()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import sides
 from ..engine import Engine
 from ..machine import machine, machine_key
 from ..models import load_model, resolve_model
@@ -26,7 +27,7 @@ from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic
 from .inductor import parse_output_code
 from .reader import AnalysisError, read_points
 
-SIDES = ("vllm:compiled", "vllm:eager", "hf:compiled", "hf:eager")
+SIDES = (sides.engine("compiled"), sides.engine("eager"), sides.HF_COMPILED, sides.STOCK)
 _MATMUL_CALLS = ("onednn_mm", "extern_kernels.mm", "extern_kernels.addmm", "aten.mm", "weight_packed_linear")
 
 
@@ -233,9 +234,9 @@ def engine_graph(cap_or_cache, mode=None, name=None) -> Graph:
 
 
 def side_graph(model, side: str, force: bool = False) -> Graph:
-    """The value graph of one side: 'vllm:compiled', 'vllm:eager', 'hf:compiled' (captured in a subprocess,
-    cached under results/graphs/captures) or 'hf:eager' (traced in this process)."""
-    if side == "hf:eager":
+    """The value graph of one side (`rla_lib.sides`): 'vllm:compiled', 'vllm:eager', 'hf:compiled' (captured in a
+    subprocess, cached under results/graphs/captures) or 'hf:bf16:none', stock Transformers (traced in this process)."""
+    if side == sides.STOCK:
         return training_graph(model)
     engine, _, mode = side.partition(":")
     if engine not in ("vllm", "hf") or mode not in ("compiled", "eager"):

@@ -173,14 +173,30 @@ def _norm_output(r: Reading, norm: Norm) -> Held:
     return held(any(flags)) if flags else Held.UNREAD
 
 
+def is_opaque(n: Node) -> bool:
+    """An engine op whose inside this graph does not show (e.g. vLLM's fused MoE)."""
+    return n.op.startswith("opaque:")
+
+
+def _is_branch_output(r: Reading, nid) -> bool:
+    """What a sublayer adds to the residual stream: a projection, an opaque engine op (fused MoE), or a sum of
+    opaque outputs (shared + routed experts, returned as a tuple and added by the graph)."""
+    n = r.nodes[nid]
+    if n.op == "mm" or is_opaque(n):
+        return True
+    srcs = [r.w.source(i)[0] for i in n.inputs] if n.op == "add" else []
+    return len(srcs) == 2 and all(x is not None and is_opaque(r.nodes[x]) for x in srcs)
+
+
 def _read_sum(r: Reading, norm: Norm, layer, prefix: str, first: bool):
     """The residual sum the norm reads, and the residual stream the add reads (carried to the next add)."""
     nodes, xs = r.nodes, r.nodes[norm.x_src]
     if xs.op == "add":
         r.put(layer, f"{prefix}.sum", held(norm.x_flag), [xs.id])
         parts = [r.w.source(i) for i in xs.inputs]
-        res = [(s, f) for s, f in parts if s is not None and nodes[s].op not in ("mm", "const")]
-        if any(s is not None and nodes[s].op == "mm" for s, _ in parts) and res:
+        branch = [s is not None and _is_branch_output(r, s) for s, _ in parts]
+        res = [(s, f) for (s, f), b in zip(parts, branch) if s is not None and not b and nodes[s].op != "const"]
+        if any(branch) and res:
             s, f = res[0]
             r.put(layer, f"{prefix}.carried", Held.NA if nodes[s].op in ("index", "embedding", "input") else held(f), [s])
         else:
@@ -210,6 +226,23 @@ def read_residual_norms(r: Reading, residual: list[Norm]):
 def read_qk_norms(r: Reading, qk: list[Norm]):
     for norm in qk:
         r.put(r.layer_of(norm.rsqrt), "qk_norm.normalized", _normalized(norm), norm.normalize)
+
+
+# ---- an MLP inside one opaque op (vLLM's fused MoE) --------------------------------------------------------
+MLP_POINTS = ("gate_up_proj.output", "swiglu.silu", "swiglu.output", "down_proj.output")
+
+
+def read_opaque_mlps(r: Reading, residual: list[Norm]) -> dict:
+    """A post-attention norm output read by an opaque engine op: that layer's MLP points are opaque, not guessed.
+    Returns {layer: the op's node}."""
+    found = {}
+    for norm in (n for n in residual if n.prefix == "post_norm"):
+        ops = sorted({u for o in norm.outputs for u, _ in r.w.fwd(o) if is_opaque(r.nodes[u])})
+        if ops:
+            found[norm.layer] = ops[0]
+            for key in MLP_POINTS:
+                r.put(norm.layer, key, Held.OPAQUE, [ops[0]])
+    return found
 
 
 # ---- RoPE -----------------------------------------------------------------------------------------------
@@ -358,8 +391,10 @@ def read_attention(r: Reading) -> list[int]:
 _NORM_READERS = {"input_norm": "qkv_proj", "post_norm": "gate_up_proj", "final_norm": "lm_head"}
 
 
-def read_projections(r: Reading, residual: list[Norm], attentions: list[int], swiglu_products: dict):
-    """Each matmul's role from what it reads (a norm output, attention, the SwiGLU product), its output rounding."""
+def read_projections(r: Reading, residual: list[Norm], attentions: list[int], swiglu_products: dict,
+                     opaque_mlps: dict):
+    """Each matmul's role from what it reads (a norm output, attention, the SwiGLU product), its output rounding.
+    In a layer whose MLP is opaque, a matmul reading the post-attention norm is the MoE router, not gate/up."""
     roles = {}
     for norm in residual:
         for o in norm.outputs:
@@ -375,6 +410,6 @@ def read_projections(r: Reading, residual: list[Norm], attentions: list[int], sw
         role = next((roles[s] for s in (r.w.source(i)[0] for i in n.inputs) if s in roles), None)
         if role is None and n.id > final_rsqrt:
             role = ("lm_head", FINAL)
-        if role is not None:
+        if role is not None and not (role[0] == "gate_up_proj" and role[1] in opaque_mlps):
             name, lay = role
             r.put(FINAL if name == "lm_head" else lay, f"{name}.output", held(n.dtype in BF16_DTYPES), [n.id])

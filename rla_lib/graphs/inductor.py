@@ -68,6 +68,12 @@ class _Buffers:
     def value(self, name: str, dtype_hint="other") -> int:
         if name in self.values:
             return self.values[name]
+        item = re.fullmatch(r"(\w+)\[(\d+)\]", name)
+        if item and item.group(1) in self.values:  # buf6 = buf5[1]: one output of an extern returning a tuple
+            src = self.g[self.values[item.group(1)]]
+            nid = self.g.add("view", [src.id], src.dtype, kernel=src.kernel, text=f"{name}: output {item.group(2)} of {src.kernel}")
+            self.values[name] = nid
+            return nid
         root = self.alias.get(name)
         if root is not None and root in self.values:
             nid = self.g.add("view", [self.values[root]], self.g[self.values[root]].dtype, text=f"{name} view of {root}")

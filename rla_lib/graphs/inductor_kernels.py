@@ -33,6 +33,8 @@ def kernel_name_ops(name: str) -> list[str]:
     """The source ops a fused kernel's name lists: cpp_fused_<ops>_<n>, triton_{poi,per,red}_fused_<ops>_<n>."""
     m = re.match(r"^(?:cpp_fused|triton_(?:poi|per|red|tem|for)_fused|triton_fused|kernel_cpp)_?(.*?)(?:_\d+)?$", name)
     rest = m.group(1) if m else name
+    if rest.isdigit():  # triton_red_fused_1: a fused kernel that lists no source ops
+        return []
     ops = []
     while rest:
         rest = rest.lstrip("_") if not any(rest.startswith(o) for o in _KERNEL_NAME_OPS if o.startswith("_")) else rest
@@ -278,7 +280,8 @@ _TRITON_BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div
 
 
 def _tmp_names(n) -> list[str]:
-    return [x.id for x in ast.walk(n) if isinstance(x, ast.Name) and re.fullmatch(r"tmp\d+", x.id)]
+    """tmpN values and _tmpN accumulators (looped reductions: `_tmp7 = tl.where(mask, _tmp7 + x, _tmp7)`)."""
+    return [x.id for x in ast.walk(n) if isinstance(x, ast.Name) and re.fullmatch(r"_?tmp\d+", x.id)]
 
 
 def _ptr_names(n) -> list[str]:
@@ -292,6 +295,8 @@ def _triton_cast(node: ast.Call):
     inner_op = triton_expr_op(inner)
     if "bfloat16" in target or "float16" in target:
         return ("round", [inner], None, None) if inner_op[0] != "load" else inner_op
+    if re.search(r"\b(u?int\d+|int1)\b", target):  # x.to(tl.int64): an index, never a rounding
+        return "cast_int", [inner], None, None
     if inner_op[0] == "load":
         return inner_op[0], inner_op[1], inner_op[2], inner_op[3], "upcast"
     return "upcast", _tmp_names(inner), None, None
@@ -325,7 +330,7 @@ def triton_expr_op(node):
     if isinstance(node, ast.Constant):
         return "const", [], None, None
     if isinstance(node, ast.Name):
-        return ("copy", [node.id], None, None) if re.fullmatch(r"tmp\d+", node.id) else ("const", [], None, None)
+        return ("copy", [node.id], None, None) if re.fullmatch(r"_?tmp\d+", node.id) else ("const", [], None, None)
     if isinstance(node, ast.Subscript):  # tl.sum(x, 1)[:, None]
         return triton_expr_op(node.value)
     return f"unknown:{src[:60]}", _tmp_names(node), None, None
@@ -357,8 +362,8 @@ def _triton_statements(body, stmts: list, name: str, source: str):
                 for t in tgt.elts:
                     if isinstance(t, ast.Name) and re.fullmatch(r"tmp\d+(_mean|_m2|_weight)?", t.id):
                         stmts.append(("def", t.id.split("_")[0] if t.id.count("_") else t.id, st.value))
-            elif isinstance(tgt, ast.Name) and re.fullmatch(r"tmp\d+|_tmp\d+", tgt.id):
-                stmts.append(("def", tgt.id.lstrip("_"), st.value))
+            elif isinstance(tgt, ast.Name) and re.fullmatch(r"_?tmp\d+", tgt.id):
+                stmts.append(("def", tgt.id, st.value))
         elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and ast.unparse(st.value.func).endswith("store"):
             args = st.value.args
             p = _ptr_names(args[0])

@@ -39,16 +39,19 @@ def read_points(g: Graph, strict: bool = True) -> Points:
             r.put(lay, "qk_norm.output", Held.NA)
     swiglu_products = detectors.read_swiglu(r)
     attentions = detectors.read_attention(r)
-    detectors.read_projections(r, residual, attentions, swiglu_products)
+    opaque_mlps = detectors.read_opaque_mlps(r, residual)
+    detectors.read_projections(r, residual, attentions, swiglu_products, opaque_mlps)
     missing = _fill_missing(r, n_layers, bool(attentions))
+    opaque = [f"layer {lay} {key}: inside {r.nodes[op].kernel or r.nodes[op].op}"
+              for lay, op in sorted(opaque_mlps.items()) for key in detectors.MLP_POINTS]
     pts = Points(g.name, n_layers, r.values, r.where, r.labels,
                  meta={"source": src_desc, "n_attention": len(attentions), "has_qk_norm": bool(qk), "missing": missing,
-                       **{k: v for k, v in g.meta.items() if k in _GRAPH_META}})
+                       "opaque": opaque, **{k: v for k, v in g.meta.items() if k in _GRAPH_META}})
     if strict and missing:
         raise AnalysisError(f"{src_desc}: could not read {len(missing)} rounding point(s): {', '.join(missing[:8])}"
                             f"{' ...' if len(missing) > 8 else ''}. The code does not match the decoder patterns "
                             "this reader knows (see rla_lib.graphs.read_points).")
-    return pts
+    return pts  # opaque points are not missing: they are read as "opaque", each named in meta["opaque"]
 
 
 def _fill_missing(r: Reading, n_layers: int, has_attention: bool) -> list[str]:
