@@ -38,7 +38,9 @@ def pct(x: float, digits: int = 0) -> str:
 
 
 def pct_ci(value: float, low: float, high: float) -> str:
-    return f"{pct(value)} [{pct(low)}, {pct(high)}]"
+    """Whole percents, or two decimals where the interval reaches within 2% of -100% (whole ones would all say -100%)."""
+    digits = 2 if min(value, low, high) < -0.98 else 0
+    return f"{pct(value, digits)} [{pct(low, digits)}, {pct(high, digits)}]"
 
 
 def source(name: str, meta: dict) -> str:

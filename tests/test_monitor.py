@@ -1,0 +1,180 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
+
+from rla_lib import kl
+from rla_lib.monitor import MismatchCallback, MismatchMeter, combine, mismatch_metrics
+
+NAN = float("nan")
+
+
+def _hand_case():
+    """Two responses, padded to T=3: d = logp_inf - logp_train is (0.5, 0) and (-0.25); padding holds junk."""
+    inf = torch.tensor([[-1.0, -2.0, NAN], [-0.5, 7.0, -1e30]], dtype=torch.float64)
+    train = torch.tensor([[-1.5, -2.0, 3.0], [-0.25, NAN, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    return inf, train, mask
+
+
+def test_hand_computed_case():
+    cap = 1.2  # e^0.25 = 1.284 lies above it, e^-0.5 and 1 below
+    m = mismatch_metrics(*_hand_case(), tis_cap=cap)
+    k3_a, k3_c = math.expm1(-0.5) + 0.5, math.expm1(0.25) - 0.25  # rho - 1 - log rho with rho = e^-d
+    # sums of a few exactly representable numbers: bitwise
+    assert m["mismatch/tokens"] == 3 and m["mismatch/sequences"] == 2
+    assert m["mismatch/k1"] == 0.25 / 3
+    assert m["mismatch/abs_diff_mean"] == 0.75 / 3 and m["mismatch/abs_diff_max"] == 0.5
+    assert m["mismatch/k1_per_sequence"] == (0.5 - 0.25) / 2
+    assert m["mismatch/is_ratio_above_cap"] == 1 / 3 and m["mismatch/seq_is_ratio_above_cap"] == 1 / 2
+    # through exp / expm1: libm may differ from numpy's by an ulp
+    assert m["mismatch/k3"] == pytest.approx((k3_a + k3_c) / 3, rel=1e-14)
+    assert m["mismatch/k3_per_sequence"] == pytest.approx((k3_a + k3_c) / 2, rel=1e-14)
+    assert m["mismatch/is_ratio_mean"] == pytest.approx((math.exp(-0.5) + 1 + math.exp(0.25)) / 3, rel=1e-14)
+    assert m["mismatch/is_ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-15)
+    assert m["mismatch/is_ratio_max"] == pytest.approx(math.exp(0.25), rel=1e-15)
+    assert m["mismatch/tis_weight_mean"] == pytest.approx((math.exp(-0.5) + 1 + cap) / 3, rel=1e-14)
+    assert "mismatch/exact_kl" not in m
+    assert all(type(v) is float for v in m.values())
+
+
+def test_padding_is_ignored_whatever_it_holds():
+    inf, train, mask = _hand_case()
+    m = mismatch_metrics(inf, train, mask)
+    # the same tokens, other junk in the padding, a float mask, and an extra all-padding response
+    inf2 = torch.cat([torch.where(mask.bool(), inf, -5.0), torch.full((1, 3), NAN)])
+    train2 = torch.cat([torch.where(mask.bool(), train, 9.0), torch.zeros(1, 3, dtype=torch.float64)])
+    mask2 = torch.cat([mask.float(), torch.zeros(1, 3)])
+    assert mismatch_metrics(inf2, train2, mask2) == m
+    assert all(np.isfinite(v) for v in m.values())
+
+
+def test_no_tokens_gives_nan_not_an_error():
+    m = mismatch_metrics(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3))
+    assert m["mismatch/tokens"] == 0 and m["mismatch/sequences"] == 0
+    assert np.isnan(m["mismatch/k1"]) and np.isnan(m["mismatch/k3_per_sequence"])
+
+
+def _random_batch(seed=0, B=4, T=6, V=7, noise=0.05):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.log_softmax(2 * torch.randn(B, T, V, generator=g, dtype=torch.float64), -1)
+    q = torch.log_softmax(p + noise * torch.randn(B, T, V, generator=g, dtype=torch.float64), -1)
+    tokens = torch.multinomial(p.exp().reshape(-1, V), 1, generator=g).reshape(B, T, 1)
+    lengths = torch.tensor([6, 3, 1, 5])[:B]
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return p.gather(-1, tokens)[..., 0], q.gather(-1, tokens)[..., 0], mask, p, q
+
+
+def test_exact_kl_is_kl_exact_terms_on_the_response_tokens():
+    inf, train, mask, p, q = _random_batch()
+    m = mismatch_metrics(inf, train, mask, p, q)
+    expected = np.concatenate([kl.exact_terms(p[b][mask[b]].numpy(), q[b][mask[b]].numpy()) for b in range(len(p))])
+    assert m["mismatch/exact_kl"] == expected.mean()
+    assert mismatch_metrics(inf, inf, mask, p, p)["mismatch/exact_kl"] == 0.0
+    with pytest.raises(ValueError, match="both sides"):
+        mismatch_metrics(inf, train, mask, p, None)
+    with pytest.raises(ValueError, match=r"\(B, T, V\)"):
+        mismatch_metrics(inf, train, mask, p, q[:, :-1])
+
+
+def test_per_sequence_sums_and_the_token_means():
+    inf, train, mask, _, _ = _random_batch(seed=1)
+    m = mismatch_metrics(inf, train, mask)
+    d = [(a - b)[k].numpy() for a, b, k in zip(inf, train, mask)]
+    k3 = [kl.k3_terms(t, 0.0) for t in d]
+    assert m["mismatch/k1_per_sequence"] == pytest.approx(np.mean([t.sum() for t in d]), rel=1e-12)
+    assert m["mismatch/k3_per_sequence"] == pytest.approx(np.mean([t.sum() for t in k3]), rel=1e-12)
+    # the token means weight each token once: per-sequence sums over the token count
+    n = mask.sum().item()
+    assert m["mismatch/k1"] == pytest.approx(sum(t.sum() for t in d) / n, rel=1e-12)
+    assert m["mismatch/k3"] == pytest.approx(sum(t.sum() for t in k3) / n, rel=1e-12)
+
+
+def test_tis_statistics_match_the_weights_a_trainer_applies():
+    inf, train, mask, _, _ = _random_batch(seed=2, noise=0.6)
+    for cap in (1.05, 2.0):
+        m = mismatch_metrics(inf, train, mask, tis_cap=cap)
+        rho = torch.exp(train - inf)[mask]  # grpo.py and verl: exp(old_log_prob - rollout_log_prob)
+        assert m["mismatch/tis_weight_mean"] == pytest.approx(torch.clamp(rho, max=cap).mean().item(), rel=1e-12)
+        assert m["mismatch/is_ratio_mean"] == pytest.approx(rho.mean().item(), rel=1e-12)
+        assert m["mismatch/is_ratio_above_cap"] == (rho > cap).double().mean().item()
+        seq_rho = torch.exp(((train - inf) * mask).sum(-1))
+        assert m["mismatch/seq_is_ratio_above_cap"] == (seq_rho > cap).double().mean().item()
+    assert 0 < mismatch_metrics(inf, train, mask, tis_cap=1.05)["mismatch/is_ratio_above_cap"] < 1  # the test bites
+
+
+def test_bf16_inputs_are_subtracted_in_float64():
+    # -1.0078125 and -256 are BF16 numbers; their difference 254.9921875 is not (BF16 would give 255)
+    inf = torch.tensor([[-1.0078125]], dtype=torch.bfloat16)
+    train = torch.tensor([[-256.0]], dtype=torch.bfloat16)
+    assert (inf - train).item() == 255.0
+    m = mismatch_metrics(inf, train, torch.ones(1, 1))
+    assert m["mismatch/k1"] == 254.9921875 and m["mismatch/abs_diff_max"] == 254.9921875
+
+
+def test_the_monitor_and_the_kl_monitor_share_the_computation():
+    inf, train, mask, _, _ = _random_batch(seed=3)
+    m = mismatch_metrics(inf, train, mask)
+    row = kl.MismatchMonitor().update(0, [a[k].numpy() for a, k in zip(inf, mask)],
+                                      [b[k].numpy() for b, k in zip(train, mask)])
+    assert row["sampled_kl"] == m["mismatch/k1"] / kl.UNIT and row["k3"] == m["mismatch/k3"] / kl.UNIT
+    assert (row["mean_abs_diff"], row["max_abs_diff"]) == (m["mismatch/abs_diff_mean"], m["mismatch/abs_diff_max"])
+    assert row["tokens"] == m["mismatch/tokens"] == mask.sum().item()
+
+
+def test_shapes_are_checked():
+    inf, train, mask, _, _ = _random_batch()
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        mismatch_metrics(inf, train[:, :-1], mask)
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        mismatch_metrics(inf[0], train[0], mask[0])
+
+
+def test_meter_combines_the_steps_between_two_logs():
+    inf, train, mask, _, _ = _random_batch()
+    meter = MismatchMeter(tis_cap=1.5)
+    a = meter.record(inf, train, mask)
+    b = meter.record(train, inf, mask)
+    meter.record(inf, train, torch.zeros_like(mask))  # a step with no tokens is left out
+    out = meter.flush()
+    assert out == combine([a, b]) and meter.pending == [] and meter.flush() == {}
+    assert out["mismatch/tokens"] == 2 * mask.sum().item()
+    assert out["mismatch/k1"] == (a["mismatch/k1"] + b["mismatch/k1"]) / 2 and out["mismatch/k1"] == 0.0
+    assert out["mismatch/abs_diff_max"] == max(a["mismatch/abs_diff_max"], b["mismatch/abs_diff_max"])
+    assert out["mismatch/is_ratio_min"] == min(a["mismatch/is_ratio_min"], b["mismatch/is_ratio_min"])
+
+
+class _Reporter(TrainerCallback):
+    """Stands for wandb / tensorboard: keeps what it was asked to log."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+def test_callback_adds_the_keys_to_the_logs_and_the_history():
+    inf, train, mask, _, _ = _random_batch()
+    reporter = _Reporter()
+    handler = CallbackHandler([reporter], None, None, None, None)
+    callback = MismatchCallback().attach(type("Trainer", (), {"callback_handler": handler})())
+    assert handler.callbacks[0] is callback  # ahead of the reporters
+    expected = callback.record(inf, train, mask)
+    state, control = TrainerState(global_step=4), TrainerControl()
+    logs = {"loss": 0.5}
+    state.log_history.append({**logs, "step": 4})  # what Trainer.log does before calling on_log
+    handler.on_log(None, state, control, logs)
+    assert logs == {"loss": 0.5, **expected} and reporter.seen[-1] == logs
+    assert state.log_history[-1] == {"loss": 0.5, "step": 4, **expected}
+    # an evaluation's log is left alone and does not take the pending training metrics
+    callback.record(inf, train, mask)
+    handler.on_log(None, state, control, eval_logs := {"eval_loss": 0.7})
+    assert eval_logs == {"eval_loss": 0.7} and len(callback.pending) == 1
+    # nothing recorded since the last log: nothing added
+    callback.flush()
+    handler.on_log(None, state, control, quiet := {"loss": 0.4})
+    assert quiet == {"loss": 0.4}
