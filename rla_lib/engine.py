@@ -52,7 +52,10 @@ def configure_environment() -> None:
     # (rotary) or with tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the engine core's NUMA-binding notice at every start
-    os.environ.setdefault("RLA_VLLM_IDLE_SPIN_S", "0")  # no core-long spin after each request (rla_lib/child_site)
+    # vLLM's worker spins on its queue for 1 s after each message: a core taken from the training step after each
+    # rollout. 0.05 s keeps it spinning between decode steps (waiting on its socket instead made rollouts 25x
+    # slower here) and frees the core 50 ms after a request (rla_lib/child_site; benchmarks/grpo_step.py).
+    os.environ.setdefault("RLA_VLLM_IDLE_SPIN_S", "0.05")
     # the engine's processes apply that level before vLLM's import-time warnings (rla_lib/child_site)
     os.environ["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
 
