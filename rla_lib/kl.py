@@ -331,6 +331,7 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
 
 MONITOR_COLUMNS = ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")  # one row per step
 
+
 class MismatchMonitor:
     """Feed it the inference and training logprobs of each step's sampled tokens.
 
