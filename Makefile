@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme test test-fast lab models bench grpo-sweep clean
+.PHONY: setup run-all readme test test-fast lab models real-shape bench grpo-sweep clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -71,6 +71,10 @@ lab: setup
 
 models: setup
 	$(PY) -m rla_lib.pretrain
+
+# Qwen3-0.6B- and Qwen2-0.5B-shaped checkpoints (untrained, peaked), made here under .cache/real-shape (2.2 GB, ~2 min)
+real-shape: setup
+	$(PY) -m rla_lib.real_shape
 
 bench: setup
 	$(PY) benchmarks/align_overhead.py

@@ -15,8 +15,10 @@ CHARS = list("0123456789") + ["+", "-", "*", "=", " "]
 VOCAB = [EOS] + CHARS  # 16 tokens: id 0 is end-of-text (also used as padding)
 
 
-def build_tokenizer():
-    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token=EOS))
+def build_tokenizer(vocab_size: int = len(VOCAB)):
+    """The task's tokenizer; with a larger `vocab_size`, unused tokens fill the ids past the task's (real shapes)."""
+    vocab = VOCAB + [f"<|unused_{i}|>" for i in range(vocab_size - len(VOCAB))]
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token=EOS))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=EOS)
