@@ -42,9 +42,10 @@ The defaults are the paper's; an option of a region that is not enabled is accep
   SiLU's backward stay eager because their compiled float op order differs. Needs what
   `torch.compile` needs (a C++ compiler on CPU) and compiles on first use.
 - `attention`: the "attention" region's numerics. `"fp32"` (default): scores q·kᵀ·scale (+ mask), softmax and
-  P·V in FP32 from the BF16 q/k/v, the output rounded once (vLLM's CPU attention, flash-attention style
-  kernels); `"p_bf16"`: the same with P rounded to BF16 before P·V; `"eager"`: Transformers' eager attention
-  (scores and P in BF16), whatever `attn_implementation` the model was loaded with.
+  P·V in FP32 from the BF16 q/k/v, the output rounded once; `"flash"`: the same in the order of vLLM's CPU
+  attention kernel (q pre-scaled, P·V unnormalised, divided by the row sum at the end); `"p_bf16"`: as
+  `"fp32"` with P rounded to BF16 before P·V; `"eager"`: Transformers' eager attention (scores and P in BF16),
+  whatever `attn_implementation` the model was loaded with.
 
 "Rounding" is `.to(dtype)` (round to nearest even) to the model dtype, so an FP32 model is unchanged,
 bit for bit. Autocast is not supported: the rounding targets are read from weight and activation dtypes.

@@ -7,6 +7,8 @@ output once. The kernels here have the signature of Transformers' attention func
 `AttentionInterface`), so `align` calls them in place of the one the model was loaded with:
 
 - `fp32_attention`: scores, softmax and P·V in FP32, the output rounded once to the model dtype.
+- `flash_attention`: the same in FP32 in the order of vLLM's CPU attention kernel: q scaled before q·kᵀ,
+  exp(s - max)·V unnormalised, divided by the row sum at the end (as online-softmax kernels do), rounded once.
 - `p_bf16_attention`: the same, with P rounded to the model dtype before P·V.
 - `eager_attention`: Transformers' eager attention (the model family's `eager_attention_forward`).
 
@@ -82,6 +84,26 @@ def fp32_attention(
     return _engine_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, round_p=False)
 
 
+def flash_attention(
+    module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None, **kwargs
+):
+    """As `fp32_attention`, but in the order of vLLM's CPU attention kernel (csrc/cpu/cpu_attn_vec.hpp): q scaled in
+    FP32 before q·kᵀ, then (exp(s - max)·V) / sum exp(s - max), normalised at the end as online-softmax kernels do
+    (returns the output and the normalised FP32 P)."""
+    _refuse_dropout(dropout)
+    mask = additive_mask(attention_mask, query, key, module.is_causal if is_causal is None else is_causal)
+    key_states = repeat_kv(key, module.num_key_value_groups).float()
+    value_states = repeat_kv(value, module.num_key_value_groups).float()
+
+    scores = torch.matmul(query.float() * scaling, key_states.transpose(2, 3))
+    if mask is not None:
+        scores = scores + mask.float()
+    unnormalised = torch.exp(scores - scores.amax(-1, keepdim=True))
+    row_sum = unnormalised.sum(-1, keepdim=True)
+    attn_output = (torch.matmul(unnormalised, value_states) / row_sum).to(query.dtype)
+    return attn_output.transpose(1, 2).contiguous(), unnormalised / row_sum
+
+
 def p_bf16_attention(
     module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None, **kwargs
 ):
@@ -99,4 +121,4 @@ def eager_attention(
     return modeling.eager_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
 
 
-KERNELS = {"fp32": fp32_attention, "p_bf16": p_bf16_attention, "eager": eager_attention}
+KERNELS = {"fp32": fp32_attention, "flash": flash_attention, "p_bf16": p_bf16_attention, "eager": eager_attention}

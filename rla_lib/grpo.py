@@ -28,6 +28,7 @@ gives the same results as an uninterrupted run. Every file is written atomically
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import time
@@ -46,7 +47,7 @@ from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, MismatchMonitor
 from .machine import machine
 from .models import load_model
-from .paths import atomic_write
+from .paths import atomic_write, slug
 from .progress import bar
 from .rounding import round_mantissa
 from .scoring import log_softmax_at, pad_batch
@@ -119,6 +120,15 @@ def configuration(name: str, model: str, engine_mode: str = "compiled") -> dict:
     if name not in CONFIGURATIONS:
         raise ValueError(f"unknown configuration {name!r}; choose from {[*CONFIGURATIONS, ENGINE_SCHEDULE]}")
     return CONFIGURATIONS[name]
+
+
+def run_name(name: str, settings: dict) -> str:
+    """A run's folder name: the configuration's slug, plus a digest of the settings for `ENGINE_SCHEDULE`, whose
+    settings follow the engine (another schedule read later is another run, not a resume)."""
+    if name != ENGINE_SCHEDULE:
+        return slug(name)
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=list).encode()).hexdigest()[:8]
+    return f"{slug(name)}-{digest}"
 
 
 # ---- the objective ---------------------------------------------------------------------------

@@ -163,3 +163,10 @@ def test_weight_sync_matches_fp32_training_side(tmp_path):
     diff_after = max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, ours))
     diff_before = max(np.abs(a.token_logprobs - b).max() for a, b in zip(before, ours))
     assert diff_after < 1e-4 < diff_before
+
+
+def test_run_names_keep_plain_configurations_and_key_the_engine_schedule():
+    assert grpo.run_name("default BF16 + TIS", {}) == "default_BF16_plus_TIS"
+    a = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "fp32"}))
+    b = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "flash"}))
+    assert a.startswith("engine_schedule-") and a != b
