@@ -60,13 +60,17 @@ def _refuse_dropout(dropout: float) -> None:
         )
 
 
-def _engine_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, round_p):
-    """softmax(q·kᵀ·scaling + mask)·v in FP32 from the model-dtype q/k/v, the output rounded once."""
+def _fp32_operands(module, query, key, value, attention_mask, dropout, is_causal):
+    """(additive mask or None, FP32 keys and values repeated for GQA): what the FP32 kernels read."""
     _refuse_dropout(dropout)
     mask = additive_mask(attention_mask, query, key, module.is_causal if is_causal is None else is_causal)
-    key_states = repeat_kv(key, module.num_key_value_groups).float()
-    value_states = repeat_kv(value, module.num_key_value_groups).float()
+    return (mask, repeat_kv(key, module.num_key_value_groups).float(),
+            repeat_kv(value, module.num_key_value_groups).float())
 
+
+def _engine_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, round_p):
+    """softmax(q·kᵀ·scaling + mask)·v in FP32 from the model-dtype q/k/v, the output rounded once."""
+    mask, key_states, value_states = _fp32_operands(module, query, key, value, attention_mask, dropout, is_causal)
     attn_weights = torch.matmul(query.float(), key_states.transpose(2, 3)) * scaling
     if mask is not None:
         attn_weights = attn_weights + mask.float()
@@ -90,11 +94,7 @@ def flash_attention(
     """As `fp32_attention`, but in the order of vLLM's CPU attention kernel (csrc/cpu/cpu_attn_vec.hpp): q scaled in
     FP32 before q·kᵀ, then (exp(s - max)·V) / sum exp(s - max), normalised at the end as online-softmax kernels do
     (returns the output and the normalised FP32 P)."""
-    _refuse_dropout(dropout)
-    mask = additive_mask(attention_mask, query, key, module.is_causal if is_causal is None else is_causal)
-    key_states = repeat_kv(key, module.num_key_value_groups).float()
-    value_states = repeat_kv(value, module.num_key_value_groups).float()
-
+    mask, key_states, value_states = _fp32_operands(module, query, key, value, attention_mask, dropout, is_causal)
     scores = torch.matmul(query.float() * scaling, key_states.transpose(2, 3))
     if mask is not None:
         scores = scores + mask.float()
