@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme test test-fast lab models real-shape bench grpo-sweep clean
+.PHONY: setup run-all readme test test-fast test-transformers test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -58,12 +58,34 @@ readme: setup
 
 # Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
 PYTEST_ARGS ?=
-test: setup
-	$(CAP) $(VENV)/bin/pytest -q -rs tests $(PYTEST_ARGS)
+test: setup test-transformers
+	$(CAP) $(VENV)/bin/pytest -q -rs -m "not real_shape" tests $(PYTEST_ARGS)
+
+# Notebooks 00-06 on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
+# Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape
+test-real-shape: setup real-shape
+	$(if $(RLA_REAL_SHAPE_MODEL),RLA_REAL_SHAPE_MODEL=$(abspath $(RLA_REAL_SHAPE_MODEL))) \
+		$(VENV)/bin/pytest -q -rs -m real_shape tests/test_notebooks.py $(PYTEST_ARGS)
+
+# The align tests under the other Transformers series rla_lib.align supports (rla_lib.align_versions; 5.19 is the
+# main environment's), each in a small environment of its own: torch and transformers, pinned in requirements/.
+TF_SERIES := 4.57 5.10
+ALIGN_TESTS := tests/test_align.py tests/test_align_attention.py
+test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
+	@for s in $(TF_SERIES); do \
+		echo "== align tests under transformers $$s"; \
+		.venv-tf/$$s/bin/python -m pytest -q -rs $(ALIGN_TESTS) || exit 1; \
+	done
+
+.venv-tf/%/.installed: requirements/transformers-%.txt
+	rm -rf .venv-tf/$*
+	$(PYTHON) -m venv .venv-tf/$*
+	.venv-tf/$*/bin/python -m pip install --quiet -r $<
+	touch $@
 
 # Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`).
 test-fast: setup
-	$(CAP) $(VENV)/bin/pytest -q -rs -m "not engine" tests $(PYTEST_ARGS)
+	$(CAP) $(VENV)/bin/pytest -q -rs -m "not engine and not real_shape" tests $(PYTEST_ARGS)
 
 # JupyterLab on notebooks/ with the rla kernel, on 127.0.0.1:$$LAB_PORT (8888; the next free port if taken).
 lab: setup
@@ -74,7 +96,12 @@ models: setup
 
 # Qwen3-0.6B- and Qwen2-0.5B-shaped checkpoints (untrained, peaked), made here under .cache/real-shape (2.2 GB, ~2 min)
 real-shape: setup
-	$(PY) -m rla_lib.real_shape
+	@test -f .cache/real-shape/qwen3-0.6b-shape/real_shape.json -a -f .cache/real-shape/qwen2-0.5b-shape/real_shape.json \
+		|| $(PY) -m rla_lib.real_shape
+
+# GRPO steps of the aligned model under FSDP2 on 2 gloo processes vs one process (tables/fsdp_equivalence.csv, ~1 min)
+fsdp-grpo: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 experiments/fsdp_grpo.py
 
 bench: setup
 	$(PY) benchmarks/align_overhead.py

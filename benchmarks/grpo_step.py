@@ -2,17 +2,22 @@
 
     .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32]
 
-Prints the median over steps after the first (warm-up) step, and the tokens the training side sees
-(real and padded). Target on 2 CPU cores: <= 0.5 s per step.
+Prints the median over steps after the first (warm-up) step, the tokens the training side sees
+(real and padded) and the training process's peak resident memory (vLLM's engine runs in its own process).
+Target on 2 CPU cores: <= 0.5 s per step on the embedded model. At real shape (`make real-shape`):
+    .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 3 --prompts 2 --group-size 4
 """
 
 import argparse
+import resource
 import tempfile
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from rla_lib import grpo
+from rla_lib.paths import slug
 from rla_lib.report import save_table
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
@@ -41,7 +46,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     padding = 1 - tokens["real_tokens"] / tokens["padded_tokens"]
     print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens; "
           f"{tokens['real_tokens']:.0f} real tokens per step, padded to {tokens['padded_tokens']:.0f}: {padding:.0%} padding)")
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"  peak resident memory of the training process: {peak_gb:.2f} GB")
     row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
-                                               **tokens, padding_fraction=padding)
-    name = f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
+                                               **tokens, padding_fraction=padding, peak_gb=peak_gb)
+    name = (f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
+            + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
     save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

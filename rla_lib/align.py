@@ -52,7 +52,8 @@ bit for bit. Autocast is not supported: the rounding targets are read from weigh
 
 The patch is per module instance (`module.forward` is shadowed, classes are untouched), so a stock and
 an aligned model can live in one process. It was written against the Qwen2/Qwen3 modeling code of
-transformers 5.19.0; `align` refuses to run if any function it replaces or relies on has changed.
+transformers 5.19.0 and ported to the 4.57 and 5.10 series (`rla_lib.align_versions`: what differs, the
+verified releases); `align` refuses other versions, and any function it replaces or relies on that has changed.
 
     handle = align(model)                  # all three regions, paper semantics
     handle = align(model, ("rope",), rope_cos_sin="bf16")
@@ -79,11 +80,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers import masking_utils
 from transformers.integrations import sdpa_attention
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
+from .align_versions import Release, supported_release
 from .attention import KERNELS as ATTENTION_KERNELS
 
 
@@ -135,35 +135,6 @@ class AlignOptions:
 # feature, so we refuse instead.
 # --------------------------------------------------------------------------------------------------
 
-_WRITTEN_AGAINST = "transformers 5.19.0"
-_STOCK_SOURCE_SHA256 = {
-    "qwen2.Qwen2RMSNorm.forward": "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f",
-    "qwen2.Qwen2MLP.forward": "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b",
-    "qwen2.Qwen2Attention.forward": "3d7ae1485294d0c8d57827617a3abed805bcf0c4107ead3d1a47f67eee7dcb1b",
-    "qwen2.Qwen2DecoderLayer.forward": "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e",
-    "qwen2.Qwen2RotaryEmbedding.__init__": "89238533478af2fc6c042072ef208f1974df8d6a6c39f0c8bb4bd73ebc65897a",
-    "qwen2.Qwen2RotaryEmbedding.forward": "d5289777a85ea890f1c715511474f81f73c06b29d3d0792a37d8ad7347683445",
-    "qwen2.Qwen2Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
-    "qwen2.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
-    "qwen2.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
-    "qwen2.eager_attention_forward": "cb34ccea28710ae8d5d94a241b704ea3d974048f85372f0b1b3c2a8a2ef1ee20",
-    "qwen2.repeat_kv": "e9b1ad4a8df3194d5b12f94567c3a2dfed2c0d9833af1b8f775e5875575ff9c4",
-    "qwen3.Qwen3RMSNorm.forward": "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f",
-    "qwen3.Qwen3MLP.forward": "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b",
-    "qwen3.Qwen3Attention.forward": "6c8fb032ff3742438fb80dab4427c11ef04e12fdc02f08abd11ff5adaa0fd1c3",
-    "qwen3.Qwen3DecoderLayer.forward": "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e",
-    "qwen3.Qwen3RotaryEmbedding.__init__": "5341c807741d21e1be23740fedb818381e775f52e9774f4ab7e76d3fda308eab",
-    "qwen3.Qwen3RotaryEmbedding.forward": "d5289777a85ea890f1c715511474f81f73c06b29d3d0792a37d8ad7347683445",
-    "qwen3.Qwen3Model.forward": "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076",
-    "qwen3.apply_rotary_pos_emb": "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87",
-    "qwen3.rotate_half": "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397",
-    "qwen3.eager_attention_forward": "cb34ccea28710ae8d5d94a241b704ea3d974048f85372f0b1b3c2a8a2ef1ee20",
-    "qwen3.repeat_kv": "e9b1ad4a8df3194d5b12f94567c3a2dfed2c0d9833af1b8f775e5875575ff9c4",
-    # Shared by both families: the masks the attention region reads (SDPA's None stands for `is_causal`).
-    "masking_utils.eager_mask": "0ab0b7aa8e039a2c9fe1e242801c06256f0f3e0db510c85be85753565f878cc7",
-    "masking_utils._ignore_causal_mask_sdpa": "60d5f943b631711f632e335ccf1f4a710537fe3eda9dc28b31478dffa8abdf1c",
-    "sdpa_attention.sdpa_attention_forward": "6a965ca3df2d5f0856625f6259718f9645cfc4ab54e2bd56173af4faa3f056e4",
-}
 _SHARED_MODULES = {"masking_utils": masking_utils, "sdpa_attention": sdpa_attention}
 
 
@@ -191,9 +162,11 @@ _FAMILIES = (
 )  # fmt: skip
 
 
-def _check_stock_source(family: _Family) -> None:
+def _check_stock_source(family: _Family) -> Release:
+    """The installed Transformers' `Release`, if the family's stock code hashes as in that release."""
+    release = supported_release()
     modules = {family.name: family.modeling, **_SHARED_MODULES}
-    for key, expected in _STOCK_SOURCE_SHA256.items():
+    for key, expected in release.sha256.items():
         name, _, qualname = key.partition(".")
         if name not in modules:
             continue
@@ -202,11 +175,12 @@ def _check_stock_source(family: _Family) -> None:
             obj = getattr(obj, part)
         if hashlib.sha256(inspect.getsource(obj).encode()).hexdigest() != expected:
             raise RuntimeError(
-                f"{modules[name].__name__}.{qualname} differs from the {_WRITTEN_AGAINST} code that "
-                "rla_lib.align was written against, so the aligned forwards may no longer match it. Install "
-                "transformers==5.19.0, or port the aligned forwards in rla_lib/align.py to the new code and "
-                "then update _STOCK_SOURCE_SHA256."
+                f"{modules[name].__name__}.{qualname} differs from the transformers {release.verified} code that "
+                f"rla_lib.align was verified on, so the aligned forwards may no longer match it. Install "
+                f"transformers=={release.verified}, or port the aligned forwards in rla_lib/align.py to the new code "
+                "and then add its hashes to rla_lib/align_versions.py."
             )
+    return release
 
 
 # --------------------------------------------------------------------------------------------------
@@ -288,7 +262,8 @@ class _FusedSwiGLU(torch.autograd.Function):
 
 # --------------------------------------------------------------------------------------------------
 # Aligned forwards, bound to single module instances. Outside their region they are line for line the
-# stock forwards of transformers 5.19.0 (Qwen2 and Qwen3 differ only in the Q/K norm).
+# stock forwards of transformers 5.19.0 (Qwen2 and Qwen3 differ only in the Q/K norm), with the 4.x
+# differences taken from the installed `release`.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -298,16 +273,12 @@ def _rotary_forward(self, x, position_ids, *, options, **kwargs):
     return type(self).forward(self, fp32_probe, position_ids, **kwargs)
 
 
-def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module) -> None:
+def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module, release: Release) -> None:
     """Recompute the rotary frequencies in FP32 if `model.to(torch.bfloat16)` rounded them (the engine's are
     FP32; `from_pretrained(dtype=...)` keeps them FP32, so this is then a no-op). Undo restores them."""
     if rotary.inv_freq.dtype == torch.float32:
         return
-    if rotary.rope_type == "default":  # as in RotaryEmbedding.__init__
-        init_fn = rotary.compute_default_rope_parameters
-    else:
-        init_fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
-    inv_freq, _ = init_fn(rotary.config)
+    inv_freq, _ = release.rope_init_function(rotary)(rotary.config)
     inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
     handle._replace_buffer(rotary, "inv_freq", inv_freq)
     handle._replace_buffer(rotary, "original_inv_freq", inv_freq.clone())
@@ -322,6 +293,7 @@ def _attention_forward(
     *,
     rope,
     attention,
+    release,
     options,
     **kwargs,
 ):
@@ -349,15 +321,14 @@ def _attention_forward(
     else:
         query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
+    cache_args = release.cache_update_args(cos, sin, kwargs)  # (4.x: takes cache_position out of kwargs)
     if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, *cache_args)
 
     if attention:  # the engine's attention numerics, in place of the model's attn_implementation
         attention_interface = ATTENTION_KERNELS[options.attention]
     else:
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, modeling.eager_attention_forward
-        )
+        attention_interface = release.attention_function(self, modeling.eager_attention_forward)
 
     attn_output, attn_weights = attention_interface(
         self,
@@ -433,6 +404,14 @@ def _decoder_layer_forward(
 # --------------------------------------------------------------------------------------------------
 
 
+def _has_stock_forward(module: nn.Module) -> bool:
+    """No forward of its own, or its class's forward bound to it: what Transformers 4.57's output capturing
+    (output_attentions, output_hidden_states) leaves on a module after restoring the forward it wrapped."""
+    forward = module.__dict__.get("forward")
+    return forward is None or (getattr(forward, "__func__", None) is type(module).forward
+                               and getattr(forward, "__self__", None) is module)  # fmt: skip
+
+
 class Alignment:
     """Handle returned by `align`: which regions and options are on, and `undo()` to restore stock."""
 
@@ -454,7 +433,7 @@ class Alignment:
             delattr(self._base_model, _STATE_ATTR)
 
     def _patch(self, module: nn.Module, forward, **bound) -> None:
-        if "forward" in module.__dict__:
+        if not _has_stock_forward(module):
             raise RuntimeError(
                 f"{type(module).__name__} instance already has a patched forward from elsewhere; "
                 "rla_lib.align only patches stock modules."
@@ -538,7 +517,7 @@ def align(
     """
     family, base = _family_and_base(model)
     _check_dtype(base)
-    _check_stock_source(family)
+    release = _check_stock_source(family)
     _check_modules(family, base)
     regions = _normalize_regions(regions)
     if options is not None and option_kwargs:
@@ -557,13 +536,17 @@ def align(
     handle = Alignment(base, regions, options)
     try:
         if "rope" in regions:
-            _use_fp32_rope_frequencies(handle, base.rotary_emb)
+            _use_fp32_rope_frequencies(handle, base.rotary_emb, release)
             if options.rope_cos_sin == "fp32":
                 handle._patch(base.rotary_emb, _rotary_forward)
         if "rope" in regions or "attention" in regions:
             for layer in base.layers:
                 handle._patch(
-                    layer.self_attn, _attention_forward, rope="rope" in regions, attention="attention" in regions
+                    layer.self_attn,
+                    _attention_forward,
+                    rope="rope" in regions,
+                    attention="attention" in regions,
+                    release=release,
                 )
         if "swiglu" in regions:
             for layer in base.layers:

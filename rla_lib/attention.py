@@ -40,7 +40,8 @@ def additive_mask(
         q_length, kv_length = query.shape[2], key.shape[2]
         if q_length == 1 or not is_causal:
             return None
-        attention_mask = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device).tril()
+        # 4D, as Transformers builds masks (4.57's eager attention slices the mask as 4D)
+        attention_mask = torch.ones(1, 1, q_length, kv_length, dtype=torch.bool, device=query.device).tril()
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise TypeError(
             "rla_lib.align's attention region reads 4D boolean or additive attention masks (those of the eager "

@@ -3,6 +3,8 @@
     engine = Engine("qwen3-tiny", mode="compiled")         # or mode="eager"
     groups = engine.sample(["12+34="], n=8, max_tokens=24)  # token ids + sampled-token logprobs
     scores = engine.score([ids], full_vocab=True)           # per-position logprobs of given tokens
+    hidden = engine.prompt_hidden([ids])                    # any vocabulary: hidden states, then chunk by chunk
+    logp = engine.logprobs_from_hidden(hidden[0][:256])     #   (256, vocab) FP32 tensor, as prompt logprobs
     engine.load_weights(model)                              # push new weights, no restart (RL)
 
 `compiled` is vLLM's default (torch.compile + inductor fusion, what RL frameworks run);
@@ -37,6 +39,7 @@ from .machine import separate_compile_caches, with_child_site
 from .models import ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .paths import ROOT
 from .progress import vllm_bar
+from .scoring import log_softmax_at
 
 MODES = ("compiled", "eager")
 
@@ -117,6 +120,18 @@ class Scores:
     full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
 
 
+def pack_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """A tensor as (dtype, shape, raw bytes): what crosses vLLM's `collective_rpc` intact (its msgpack
+    return path gives tensors back as plain lists). BF16 travels as its 16-bit patterns."""
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def unpack_tensor(packed) -> torch.Tensor:
+    dtype, shape, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+
+
 class WorkerExtension:
     """Methods added to vLLM's worker (`LLM(worker_extension_cls=...)`), called by `collective_rpc`."""
 
@@ -129,6 +144,50 @@ class WorkerExtension:
         head = getattr(self.model_runner.get_model(), "lm_head", None)
         if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
+
+    # ---- full next-token distributions as tensors (any vocabulary; `Engine.prompt_hidden`) --------------
+    def keep_prompt_hidden(self, on: bool) -> None:
+        """While on, keep a copy of the final hidden states at every prompt position vLLM computes prompt
+        logprobs for: (positions x hidden) per request instead of vLLM's (positions x vocabulary) lists.
+        The slicing is vLLM 0.32's `_get_prompt_logprobs_dict`, run just before it on the same arguments."""
+        runner = self.model_runner
+        if not hasattr(runner, "rla_prompt_hidden"):
+            vllm_prompt_logprobs = runner._get_prompt_logprobs_dict
+
+            def keep_then_score(hidden_states, num_scheduled_tokens):
+                if runner.rla_prompt_hidden is not None:
+                    for req_id in runner.num_prompt_logprobs:
+                        request, n = runner.requests[req_id], num_scheduled_tokens.get(req_id)
+                        if n is None or request.prompt_token_ids is None:
+                            continue
+                        start = request.num_computed_tokens
+                        n = min(n, len(request.prompt_token_ids) - start - 1)
+                        if n > 0:
+                            row = runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]].item()
+                            chunk = hidden_states[row : row + n].to("cpu", copy=True)
+                            runner.rla_prompt_hidden.setdefault(req_id, []).append((start, chunk))
+                return vllm_prompt_logprobs(hidden_states, num_scheduled_tokens)
+
+            runner._get_prompt_logprobs_dict = keep_then_score
+        runner.rla_prompt_hidden = {} if on else None
+
+    def take_prompt_hidden(self) -> dict:
+        """{request id given to `generate`: (prompt length - 1, hidden) tensor}, and forget them."""
+        kept, self.model_runner.rla_prompt_hidden = self.model_runner.rla_prompt_hidden or {}, {}
+        out = {}
+        for req_id, chunks in kept.items():
+            chunks.sort(key=lambda c: c[0])
+            if [c[0] for c in chunks] != list(np.cumsum([0] + [len(c[1]) for c in chunks[:-1]])):
+                raise RuntimeError(f"prompt hidden states of {req_id} are not contiguous (vLLM's prompt-logprob "
+                                   "bookkeeping changed?)")
+            out[req_id.rsplit("-", 1)[0]] = pack_tensor(torch.cat([c[1] for c in chunks]))  # vLLM adds "-<8 hex>"
+        return out
+
+    def logits_of(self, packed_hidden) -> tuple:
+        """The engine's own logits for given final hidden states: its `compute_logits`, as prompt logprobs use."""
+        model = self.model_runner.get_model()
+        with torch.inference_mode():
+            return pack_tensor(model.compute_logits(unpack_tensor(packed_hidden).to(self.model_runner.device)))
 
 
 class Engine:
@@ -154,10 +213,10 @@ class Engine:
             seed=seed,
             max_model_len=self.max_model_len,
             enforce_eager=(mode == "eager"),
-            max_logprobs=-1 if self.spec.small_vocab else 64,
             worker_extension_cls="rla_lib.engine.WorkerExtension",
             # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
-            **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs"} | llm_kwargs,
+            **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs",
+               "max_logprobs": -1 if self.spec.small_vocab else 64} | llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._weights_dir = None
@@ -218,7 +277,8 @@ class Engine:
         tempered = temperature != 1.0
         if (full_vocab or tempered) and not self.spec.small_vocab:
             raise ValueError(f"full_vocab and temperature != 1 need the full distribution, so a small vocabulary; "
-                             f"this model has {self.spec.vocab_size}. Use top_k at temperature 1.")
+                             f"this model has {self.spec.vocab_size}. Use top_k at temperature 1, or "
+                             "prompt_hidden + logprobs_from_hidden (tensors, chunk by chunk; rla_lib.exact_kl).")
         k = -1 if (full_vocab or tempered) else top_k
         seqs = [self._to_ids(s) for s in sequences]
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
@@ -255,6 +315,33 @@ class Engine:
         np.put_along_axis(kept, top, np.take_along_axis(logp, top, -1), -1)
         kept[np.arange(len(ids) - 1), ids[1:]] = token_lp
         return token_lp, kept
+
+    def prompt_hidden(self, sequences, progress: bool | None = None) -> list[torch.Tensor]:
+        """The engine's final hidden states at every position of each sequence but the last, as one
+        (len - 1, hidden) tensor per sequence: what its prompt logprobs are computed from (vLLM's
+        prompt-logprob pass, run with one logprob per position, so nothing vocabulary-sized leaves the engine).
+        `logprobs_from_hidden` turns any slice of them into the full next-token distribution."""
+        seqs = [self._to_ids(s) for s in sequences]
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True)
+        self.llm.collective_rpc("keep_prompt_hidden", args=(True,))
+        try:
+            outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
+                                        use_tqdm=vllm_bar(progress, "vLLM hidden states"))
+            kept = self.llm.collective_rpc("take_prompt_hidden")[0]  # one worker on CPU; rank 0 holds the full rows
+        finally:
+            self.llm.collective_rpc("keep_prompt_hidden", args=(False,))
+        hidden = [unpack_tensor(kept[out.request_id]) for out in outputs]
+        for ids, h in zip(seqs, hidden):
+            if len(h) != len(ids) - 1:
+                raise RuntimeError(f"the engine kept {len(h)} hidden states for a sequence of {len(ids)} tokens")
+        return hidden
+
+    def logprobs_from_hidden(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """(n, vocab) FP32 next-token logprobs from (n, hidden) engine hidden states: the engine's LM head
+        (`compute_logits`, in the engine), then its sampler's log-softmax in FP32 (vLLM's `compute_logprobs`).
+        At temperature T != 1 the logits are divided in FP32 first, as vLLM's sampler does."""
+        logits = unpack_tensor(self.llm.collective_rpc("logits_of", args=(pack_tensor(hidden),))[0])
+        return log_softmax_at(logits, temperature)
 
     # ---- weights (RL) ----------------------------------------------------------------------
     def load_weights(self, source) -> None:

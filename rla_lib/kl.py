@@ -67,7 +67,8 @@ def topk_bound_terms(inf_full, train_full, k: int):
 
 
 def terms(estimator: str, pair: dict, k: int = 20):
-    """Per-token terms of one estimator for one sequence. `pair` holds inf_lp, train_lp, inf_full, train_full."""
+    """Per-token terms of one estimator for one sequence. `pair` holds inf_lp, train_lp, inf_full, train_full
+    (and optionally `exact`: the exact KL's terms already computed, where full distributions are too large to keep)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; choose from {ESTIMATORS}")
     if estimator == "sampled":
@@ -76,6 +77,8 @@ def terms(estimator: str, pair: dict, k: int = 20):
         return k3_terms(pair["inf_lp"], pair["train_lp"])
     if estimator == "abs":
         return np.abs(sampled_terms(pair["inf_lp"], pair["train_lp"]))
+    if estimator == "exact" and pair.get("exact") is not None:  # computed chunk by chunk (rla_lib.exact_kl)
+        return np.asarray(pair["exact"], np.float64)
     if pair.get("inf_full") is None or pair.get("train_full") is None:
         raise ValueError(f"the {estimator!r} estimator needs full distributions from both sides (small vocabulary)")
     if estimator == "exact":

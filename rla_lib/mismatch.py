@@ -8,7 +8,9 @@
 Sides are named as everywhere (`rla_lib.sides`): `vllm:<mode>` (the engine), `hf:bf16:<config>` (Transformers
 BF16, stock when the config is `none`, else aligned with those regions) and `hf:fp32` (Transformers FP32). Only response
 tokens are kept: they are what a policy-gradient update uses. Full next-token distributions are kept
-where the vocabulary is small; otherwise only the scored tokens' logprobs. Each sequence keeps the
+where the vocabulary is small; otherwise only the scored tokens' logprobs, and the exact KL of each
+(engine mode, training side) pair is computed with the engine running, chunk by chunk over positions
+(`rla_lib.exact_kl`), and kept as per-token terms. Each sequence keeps the
 index of the held-out prompt it answers: the prompt is the unit of every error bar (`rla_lib.kl`).
 
 One shared measurement: `measure` caches in layers, so notebooks asking for the same (model, engine
@@ -32,6 +34,7 @@ import pandas as pd
 from . import kl, sides, task
 from .align import ALL_REGIONS, REGIONS, AlignOptions, align
 from .engine import Engine
+from .exact_kl import exact_kl
 from .machine import machine, machine_key
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR, atomic_write
@@ -47,13 +50,18 @@ OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "norm_we
                   "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",)}
 
 
+def exact_key(inference: str, training: str) -> str:
+    """The key of a pair's exact-KL terms in `MismatchRun.exact`."""
+    return f"{inference}|{training}"
+
+
 def fingerprint(model_dir: Path) -> str:
     """Changes when the checkpoint or the code that scores it changes (keys the results cache)."""
     h = hashlib.sha1()
     for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for module in ("align.py", "attention.py", "scoring.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
+    for module in ("align.py", "attention.py", "scoring.py", "exact_kl.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
         h.update((Path(__file__).parent / module).read_bytes())
     return h.hexdigest()[:12]
 
@@ -100,6 +108,7 @@ class MismatchRun:
     prompts: np.ndarray  # index (into the held-out split) of the prompt each sequence answers: the cluster
     token_lp: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens,)
     full: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens, vocab)
+    exact: dict[str, np.ndarray] = field(default_factory=dict)  # exact_key(inference, training) -> (n_tokens,) FP64
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -121,8 +130,14 @@ class MismatchRun:
 
     @property
     def estimators(self) -> tuple[str, ...]:
-        """The KL estimators this run supports: exact needs full distributions (small vocabulary)."""
-        return ("sampled", "k3", "exact") if self.full else ("sampled", "k3")
+        """The KL estimators this run supports: exact needs full distributions (small vocabulary) or its terms."""
+        return ("sampled", "k3", "exact") if self.full or self.exact else ("sampled", "k3")
+
+    def estimators_for(self, inference: str, training: str) -> tuple[str, ...]:
+        """The estimators one pair supports: at a large vocabulary the exact KL exists for the (engine, training
+        side) pairs `measure` computed it for, not e.g. between two engine modes."""
+        full = (inference in self.full and training in self.full) or exact_key(inference, training) in self.exact
+        return ("sampled", "k3", "exact") if full else ("sampled", "k3")
 
     def add(self, side: str, per_sequence_lp, per_sequence_full=None) -> None:
         """Keep the response part of per-position scores (entry t scores token t+1)."""
@@ -137,10 +152,12 @@ class MismatchRun:
                 raise KeyError(f"side {side!r} was not measured; have {self.sides}")
         o = self.offsets
         has_full = inference in self.full and training in self.full
+        exact = self.exact.get(exact_key(inference, training))
         return [
             dict(inf_lp=self.token_lp[inference][a:b], train_lp=self.token_lp[training][a:b],
                  inf_full=self.full[inference][a:b] if has_full else None,
-                 train_full=self.full[training][a:b] if has_full else None)
+                 train_full=self.full[training][a:b] if has_full else None,
+                 exact=None if exact is None else exact[a:b])
             for a, b in zip(o[:-1], o[1:])
         ]
 
@@ -171,7 +188,8 @@ class MismatchRun:
 
     # ---- persistence (atomic) ------------------------------------------------------------
     def save(self, path: Path) -> Path:
-        arrays = {f"lp::{k}": v for k, v in self.token_lp.items()} | {f"full::{k}": v for k, v in self.full.items()}
+        arrays = ({f"lp::{k}": v for k, v in self.token_lp.items()} | {f"full::{k}": v for k, v in self.full.items()}
+                  | {f"exact::{k}": v for k, v in self.exact.items()})
         lengths = np.array([len(s) for s in self.sequences])
         return atomic_write(path, lambda tmp: np.savez_compressed(
             tmp, ids=np.concatenate(self.sequences), seq_lengths=lengths, starts=np.array(self.starts),
@@ -191,6 +209,8 @@ class MismatchRun:
                     run.token_lp[key[4:]] = z[key]
                 elif key.startswith("full::"):
                     run.full[key[6:]] = z[key]
+                elif key.startswith("exact::"):
+                    run.exact[key[7:]] = z[key]
         return run
 
 
@@ -250,6 +270,20 @@ def load_or_score_side(run: MismatchRun, side: str, path: Path | None, score) ->
     return False
 
 
+def load_or_score_exact(run: MismatchRun, inference: str, side: str, path: Path | None, score) -> None:
+    """The exact-KL terms of (inference, side) from `path` if they were computed on these tokens, else
+    `score()` (per-token terms), saved there."""
+    key = exact_key(inference, side)
+    if path is not None and path.exists():
+        with np.load(path) as z:
+            if str(z["tokens"]) == run.tokens_digest() and len(z["exact"]) == run.lengths.sum():
+                run.exact[key] = z["exact"]
+                return
+    run.exact[key] = score()
+    if path is not None:
+        atomic_write(path, lambda tmp: np.savez_compressed(tmp, tokens=np.array(run.tokens_digest()), exact=run.exact[key]))
+
+
 def load_or_sample(folder: Path | None, sample) -> MismatchRun:
     """The sampled responses (no sides) from `folder`, or `sample()` saved there."""
     path = None if folder is None else folder / "samples.npz"
@@ -266,6 +300,8 @@ def copy_side(run: MismatchRun, source: str, side: str) -> None:
     run.token_lp[side] = run.token_lp[source]
     if source in run.full:
         run.full[side] = run.full[source]
+    for key in [k for k in run.exact if k.endswith("|" + source)]:
+        run.exact[key.removesuffix(source) + side] = run.exact[key]
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -344,6 +380,37 @@ def _score_training_sides(run, model, scorers: dict, folder, full, temperature, 
         done[identity] = side
 
 
+def _exact_at_large_vocab(run, model, modes, scorers: dict, folder, temperature, progress=None) -> None:
+    """The exact KL of every (engine mode, training side) pair where whole distributions are too large to keep:
+    with the engine running, its hidden states once per mode, then each training side chunk by chunk."""
+    for mode in bar(modes, progress, desc="exact KL, vLLM modes", leave=False):
+        inference, engine, hidden, loaded = sides.engine(mode), None, None, {}
+        try:
+            for side, (dtype, regions, options) in scorers.items():
+                path = None if folder is None else folder / f"exact-{mode}-{side_file(folder, dtype, regions, options).name}"
+
+                def score():
+                    nonlocal engine, hidden
+                    if engine is None:
+                        engine = Engine(model, mode=mode, seed=run.meta.get("seed", 0))
+                        hidden = engine.prompt_hidden(run.sequences, progress)
+                    if dtype not in loaded:
+                        loaded[dtype] = load_model(model, dtype=dtype)
+                    handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
+                    try:
+                        res = exact_kl(engine, loaded[dtype], run.sequences, run.starts, temperature=temperature,
+                                       engine_hidden=hidden)
+                    finally:
+                        if handle is not None:
+                            handle.undo()
+                    return np.concatenate(res.terms)  # exact_kl starts each sequence at its response
+
+                load_or_score_exact(run, inference, side, path, score)
+        finally:
+            if engine is not None:
+                engine.close()
+
+
 def measure(
     model: str = "qwen3-tiny",
     modes=("compiled", "eager"),
@@ -383,6 +450,8 @@ def measure(
     if fp32_reference:
         scorers[sides.FP32] = ("float32", (), {})
     _score_training_sides(run, model, scorers, folder, full, temperature, progress)
+    if not full:
+        _exact_at_large_vocab(run, model, modes, scorers, folder, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}
     return run

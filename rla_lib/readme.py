@@ -156,6 +156,48 @@ def block_suite_time() -> str:
     return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
 
 
+def block_scoring_memory() -> str:
+    t, meta = load_table("bench_scoring_memory")
+    rows = [[r["case"], "yes" if r["grad"] else "no", f"{r['tokens']:,}", f"{r['peak_gb']:.2f} GB", f"{r['seconds']:.0f} s"]
+            for _, r in t.iterrows()]
+    ratios = []
+    for grad, target in ((False, None), (True, 0.25)):
+        g = t[t["grad"] == grad].set_index("case")["peak_gb"]
+        naive, chunked = (g[[c for c in g.index if c.endswith(p)][0]] for p in ("naive", "chunked"))
+        verdict = "" if target is None else f" (target at most {target:.2f}: {'met' if chunked / naive <= target else 'missed'})"
+        ratios.append(f"{'with' if grad else 'without'} gradients {chunked / naive:.2f}{verdict}")
+    return "\n\n".join([md_table(["path", "gradients", "tokens", "peak memory", "time"], rows),
+                         "Chunked over naive peak memory: " + "; ".join(ratios) + ".", source("bench_scoring_memory", meta)])
+
+
+def block_fsdp() -> str:
+    t, meta = load_table("fsdp_equivalence")
+    names = {"accumulated": "one process, same split", "global_batch": "one process, one backward", "stock": "stock FSDP run"}
+    rows = [[r["regions"] if r["regions"] != "none" else "stock", names.get(r["compared_with"], r["compared_with"]),
+             f"{r['max_grad_norm']:g}", f"{r['max_abs_logprob_diff']:.3g}", f"{r['max_abs_loss_diff']:.3g}",
+             f"{r['max_abs_param_diff']:.3g}", f"{r['relative_update_diff']:.3g}"] for _, r in t.iterrows()]
+    r0 = t.iloc[0]
+    return "\n\n".join([f"{r0['world_size']} processes (gloo), {r0['steps']} steps, {r0['rows']} responses / {r0['tokens']} "
+                         f"response tokens, lr {r0['lr']:g}; max |difference| after the last step:",
+                         md_table(["training side", "compared with", "clip", "logprobs (step 1)", "loss", "weights",
+                                   "weight gap / training change"], rows), source("fsdp_equivalence", meta)])
+
+
+def block_trl() -> str:
+    t, meta = load_table("trl_mismatch")
+    first = t[t["step"] == t["step"].min()].set_index("arm")
+    stock = first.loc["stock", "mismatch/exact_kl"]
+    rows = [[arm, r["positions"], f"{r['mismatch/k1']:.3g}", f"{r['mismatch/k3']:.3g}", f"{r['mismatch/exact_kl']:.3g}",
+             pct(r["mismatch/exact_kl"] / stock - 1, 2), f"{r['sampling/sampling_logp_difference/mean']:.3g}",
+             f"{t[t['arm'] == arm]['mismatch/exact_kl'].mean():.3g}"] for arm, r in first.iterrows()]
+    same = bool(first["same_rollout_as_stock"].all())
+    return "\n\n".join([
+        f"Step {int(first['step'].iloc[0])}: {'the same' if same else 'NOT the same'} {int(first['mismatch/tokens'].iloc[0])} "
+        f"sampled tokens in every arm (one batch, so no interval); nats per token; trl {meta.get('params', {}).get('trl', '?')}:",
+        md_table(["arm", "positions", "k1", "k3", "exact KL", "exact KL vs stock", "TRL sampling_logp_difference/mean",
+                  f"exact KL, mean of {t['step'].nunique()} steps"], rows), source("trl_mismatch", meta)])
+
+
 CLUSTERING_SHOWN = ["q_proj", "input_norm.rsqrt", "input_norm.weight", "rope.q_cos", "rope.q_sin", "rope.q_sum", "attention",
                     "silu", "swiglu", "residual_attn", "residual_mlp"]
 
@@ -332,6 +374,9 @@ BLOCKS = {
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),
     "isa-spread": block_isa_spread,
     "speed": measured_by("make bench && make run-all", block_speed),
+    "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
+    "fsdp": measured_by("make fsdp-grpo", block_fsdp),
+    "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
 }
 

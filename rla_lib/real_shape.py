@@ -44,6 +44,12 @@ SHAPES = {
                                            max_position_embeddings=32_768)),
 }
 
+# The 0.6B shape cut to 2 narrow layers, its vocabulary kept: every vocabulary-sized path at full size in seconds
+# (tests, the notebooks' real-vocabulary tier). head_dim 64 is the smallest vLLM's CPU attention accepts.
+NARROW = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+              head_dim=64, max_position_embeddings=4096)
+NARROW_NAME = "qwen3-0.6b-shape-narrow"
+
 
 def make_config(name: str, **overrides):
     """The configuration of one real shape (`overrides` shrink it, e.g. for tests)."""
@@ -86,9 +92,11 @@ def probe_batch(vocab_size: int, seed: int = 0, rows: int = 8, length: int = 32)
     return torch.randint(0, vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def make_checkpoint(name: str, out_dir=None, seed: int = 0, target: float = TARGET_ENTROPY, **overrides):
-    """Write one real-shape checkpoint directory (config, BF16 safetensors, tokenizer); returns its path."""
-    out = (REAL_SHAPE_DIR if out_dir is None else out_dir) / name
+def make_checkpoint(name: str, out_dir=None, seed: int = 0, target: float = TARGET_ENTROPY, folder: str | None = None,
+                    **overrides):
+    """Write one real-shape checkpoint directory (config, BF16 safetensors, tokenizer; `real_shape.json` last, so
+    its presence means complete) into `out_dir / (folder or name)`; returns its path."""
+    out = Path(REAL_SHAPE_DIR if out_dir is None else out_dir) / (folder or name)
     config = make_config(name, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -97,7 +105,7 @@ def make_checkpoint(name: str, out_dir=None, seed: int = 0, target: float = TARG
     build_tokenizer(config.vocab_size).save_pretrained(out)
     with torch.no_grad():
         entropy = mean_entropy(model(input_ids=probe_batch(config.vocab_size, seed + 1)).logits)
-    info = dict(shape=name, seed=seed, target_entropy=target, final_norm_weight=scale, held_out_entropy=entropy,
+    info = dict(shape=name, overrides=overrides, seed=seed, target_entropy=target, final_norm_weight=scale, held_out_entropy=entropy,
                 note="random initialisation (seeded); only the final norm weight is set, for peaked distributions")
     atomic_write(out / "real_shape.json", lambda tmp: tmp.write_text(json.dumps(info, indent=1)))
     return out
@@ -106,14 +114,23 @@ def make_checkpoint(name: str, out_dir=None, seed: int = 0, target: float = TARG
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--narrow", action="store_true", help=f"only {NARROW_NAME}: the Qwen3 shape in 2 narrow layers")
     parser.add_argument("--out", default=None, help=f"folder of the checkpoints (default {REAL_SHAPE_DIR})")
     args = parser.parse_args(argv)
-    for name in args.shape:
-        out = make_checkpoint(name, None if args.out is None else Path(args.out))
+    out_dir = REAL_SHAPE_DIR if args.out is None else Path(args.out)
+    for name in [] if args.narrow else args.shape:
+        out = make_checkpoint(name, out_dir)
         info = json.loads((out / "real_shape.json").read_text())
         print(f"{out}: mean next-token entropy {info['held_out_entropy']:.2f} nats on held-out random tokens "
               f"(final norm weight {info['final_norm_weight']:.3g})")
+    print(make_narrow(out_dir))
     return 0
+
+
+def make_narrow(out_dir=None) -> Path:
+    """The narrow full-vocabulary checkpoint (`NARROW`), written once: its path."""
+    out = Path(REAL_SHAPE_DIR if out_dir is None else out_dir) / NARROW_NAME
+    return out if (out / "real_shape.json").exists() else make_checkpoint("qwen3-0.6b-shape", out.parent, folder=NARROW_NAME, **NARROW)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ The references below are written from the region definitions, independently of r
 reproduce stock Transformers bit for bit when no region is on.
 """
 
+import re
 import sys
+import tomllib
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from rla_lib import align as rla
+from rla_lib import align_versions
+from rla_lib.paths import ROOT
 
 
 BF16 = torch.bfloat16
@@ -112,7 +116,8 @@ def ref_rms_norm(x, norm, weight_mode):
 
 def ref_cos_sin(config, length):
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    theta = config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters") else config.rope_theta  # 5.x, 4.x
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     freqs = torch.arange(length)[None, :, None].float() * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
@@ -139,7 +144,7 @@ def ref_attention(attn, x, cos, sin, regions, opt):
         q, k = ref_rotate(q.float(), cos, sin).to(dtype), ref_rotate(k.float(), cos, sin).to(dtype)
     else:  # stock: every op rounds
         q, k = ref_rotate(q, cos.to(dtype), sin.to(dtype)), ref_rotate(k, cos.to(dtype), sin.to(dtype))
-    mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    mask = torch.full((1, 1, t, t), torch.finfo(dtype).min, dtype=dtype).triu(1)
     modeling = sys.modules[type(attn).__module__]
     out, _ = modeling.eager_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
     return F.linear(out.reshape(b, t, -1), attn.o_proj.weight, attn.o_proj.bias)
@@ -621,14 +626,55 @@ def test_a_module_patched_elsewhere_is_refused_and_the_model_left_stock():
     assert torch.equal(logits(model, input_ids, mask), stock)
 
 
+def test_a_module_with_its_class_forward_bound_is_stock():
+    """What Transformers 4.57's output capturing leaves on attention and decoder layers after output_attentions=True."""
+    model, expected = build(), build()
+    input_ids, mask = batch()
+    for module in model.modules():
+        if isinstance(module, (modeling_qwen3.Qwen3Attention, modeling_qwen3.Qwen3DecoderLayer)):
+            module.forward = type(module).forward.__get__(module)
+    with rla.aligned(model), rla.aligned(expected):
+        assert torch.equal(logits(model, input_ids, mask), logits(expected, input_ids, mask))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_changed_transformers_source_is_refused(monkeypatch):
     model = build()
-    key = "qwen3.Qwen3Attention.forward"
-    monkeypatch.setitem(rla._STOCK_SOURCE_SHA256, key, "0" * 64)
-    with pytest.raises(RuntimeError, match=r"modeling_qwen3\.Qwen3Attention\.forward differs.*transformers==5\.19\.0"):
+    key, release = "qwen3.Qwen3Attention.forward", align_versions.supported_release()
+    monkeypatch.setitem(release.sha256, key, "0" * 64)
+    expected = rf"modeling_qwen3\.Qwen3Attention\.forward differs.*transformers=={re.escape(release.verified)}"
+    with pytest.raises(RuntimeError, match=expected):
         rla.align(model)
     assert rla.current(model) is None
     rla.align(build("qwen2"))  # the other family's code is unchanged
+
+
+def test_unsupported_transformers_version_is_refused_naming_the_supported_ones(monkeypatch):
+    model = build()
+    monkeypatch.setattr(align_versions, "INSTALLED", "4.50.3")
+    supported = ", ".join(re.escape(release.verified) for release in align_versions.RELEASES.values())
+    with pytest.raises(RuntimeError, match=rf"supports transformers {supported} .*not 4\.50\.3.*pip install transformers=="):
+        rla.align(model)
+    assert rla.current(model) is None and not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_every_supported_release_guards_the_same_functions():
+    keys = {release.verified: sorted(release.sha256) for release in align_versions.RELEASES.values()}
+    assert all(k == keys["5.19.0"] for k in keys.values()), keys
+
+
+def test_every_supported_series_is_tested():
+    """The main environment has one supported release, `make test-transformers` installs each other's verified one
+    (requirements/transformers-<series>.txt) with the main environment's torch."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    main = next(pin.split("==")[1] for pin in project if pin.startswith("transformers=="))
+    extra = re.search(r"^TF_SERIES := (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    assert sorted([align_versions.series(main), *extra]) == sorted(align_versions.RELEASES)
+    assert main == align_versions.RELEASES[align_versions.series(main)].verified
+    torch_pin = next(pin for pin in project if pin.startswith("torch=="))
+    for series in extra:
+        pins = (ROOT / "requirements" / f"transformers-{series}.txt").read_text().split("\n")
+        assert f"transformers=={align_versions.RELEASES[series].verified}" in pins and torch_pin in pins
 
 
 def test_changed_source_text_is_refused(monkeypatch):

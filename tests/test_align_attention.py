@@ -13,6 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rla_lib import align as rla
+from rla_lib import align_versions
 from rla_lib import attention as rla_attention
 
 
@@ -96,6 +97,20 @@ def test_eager_kernel_generates_as_the_eager_model(family, padded):
     input_ids, mask = batch(pad_right=False)
     mask = mask if padded else torch.ones_like(mask)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs |= dict(return_dict_in_generate=True, output_logits=True)
+    expected = eager_model.generate(input_ids, **kwargs)
+    with rla.aligned(sdpa_model, "attention", attention="eager"):
+        out = sdpa_model.generate(input_ids, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits, strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_kernel_generates_as_the_eager_model_with_a_static_cache(family):
+    """A static cache writes where the attention forward tells it (on 4.x: `cache_position` in the cache kwargs)."""
+    sdpa_model, eager_model = build(family, attn="sdpa"), build(family, attn="eager")
+    input_ids, mask = batch(pad_right=False)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
     kwargs |= dict(return_dict_in_generate=True, output_logits=True)
     expected = eager_model.generate(input_ids, **kwargs)
     with rla.aligned(sdpa_model, "attention", attention="eager"):
@@ -295,7 +310,7 @@ def test_bad_option_and_unreadable_masks():
 
 
 def test_changed_mask_source_is_refused(monkeypatch):
-    monkeypatch.setitem(rla._STOCK_SOURCE_SHA256, "masking_utils.eager_mask", "0" * 64)
+    monkeypatch.setitem(align_versions.supported_release().sha256, "masking_utils.eager_mask", "0" * 64)
     for family in FAMILIES:
         with pytest.raises(RuntimeError, match=r"transformers\.masking_utils\.eager_mask differs"):
             rla.align(build(family), ())

@@ -1,11 +1,14 @@
 """Every notebook runs end to end under papermill (small parameters); a failing cell fails the test."""
 
 import json
+import os
+from pathlib import Path
 
 import papermill
 import pytest
 
 from rla_lib.paths import ROOT
+from rla_lib.real_shape import REAL_SHAPE_DIR
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Small settings so the whole suite fits CI; the defaults are for `make run-all`.
@@ -46,13 +49,42 @@ def shared_results(tmp_path_factory):
 @pytest.mark.engine
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(nb_path, tmp_path, monkeypatch, shared_results):
+    execute(nb_path, FAST[nb_path.stem], tmp_path, monkeypatch, shared_results)
+
+
+# The real-shape tier (`make test-real-shape`, not part of `make test`: about half an hour here): notebooks 00-06 on
+# the Qwen3-0.6B-shaped checkpoint (28 layers, vocabulary 151,936; `make real-shape`), by parameters only.
+REAL_SHAPE_MODEL = str(Path(os.environ.get("RLA_REAL_SHAPE_MODEL", REAL_SHAPE_DIR / "qwen3-0.6b-shape")).resolve())
+SMALL = dict(n_samples=2, max_tokens=16)
+REAL_SHAPE = {
+    "00_tour": dict(model=REAL_SHAPE_MODEL, n_prompts=8, **SMALL),
+    "01_rounding_toy": dict(model=REAL_SHAPE_MODEL, n_prompts=4, live_widget=False),
+    "02_graph_comparison": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False, n_prompts=8, n_boot=200, **SMALL),
+    "03_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
+    "04_shapley": dict(models=[REAL_SHAPE_MODEL], modes=["eager"], n_prompts=8, n_boot=100, **SMALL),
+    "05_rounding_clustering": dict(models=[REAL_SHAPE_MODEL], n_prompts=4),
+    "06_grpo_stability": dict(model=REAL_SHAPE_MODEL, steps=2, prompts_per_step=2, group_size=2, max_tokens=16, eval_every=2,
+                              eval_prompts=8, configs=["default BF16", "engine schedule"]),
+}
+
+
+@pytest.mark.real_shape
+@pytest.mark.parametrize("name", list(REAL_SHAPE))
+def test_notebook_executes_at_real_shape(name, tmp_path, monkeypatch, shared_results):
+    if not (Path(REAL_SHAPE_MODEL) / "config.json").exists():
+        pytest.fail(f"{REAL_SHAPE_MODEL} is missing: `make test-real-shape` makes it first (or run `make real-shape`)")
+    execute(ROOT / "notebooks" / f"{name}.ipynb", REAL_SHAPE[name], tmp_path, monkeypatch, shared_results)
+
+
+def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results):
+    """Run one notebook under papermill as `make run-all` does; check its figures, tables and quiet cells."""
     # the kernel inherits these: quick-run figures, results and tables stay out of the repository
     monkeypatch.setenv("RLA_FIGURES_DIR", str(tmp_path / "figures"))
     monkeypatch.setenv("RLA_RESULTS_DIR", str(shared_results))
     monkeypatch.setenv("RLA_TABLES_DIR", str(tmp_path / "tables"))
     monkeypatch.setenv("RLA_PROGRESS", "0")  # as make run-all: no frozen bars in the executed notebook
     papermill.execute_notebook(
-        str(nb_path), str(tmp_path / nb_path.name), parameters=FAST[nb_path.stem],
+        str(nb_path), str(tmp_path / nb_path.name), parameters=parameters,
         kernel_name="rla", cwd=str(nb_path.parent), progress_bar=False,
     )
     assert list((tmp_path / "figures").glob("*.png")), f"{nb_path.name} saved no figure"

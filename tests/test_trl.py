@@ -1,0 +1,98 @@
+"""rla_lib.trl_grpo: TRL's GRPOTrainer with rollouts from the real engine (2 steps per arm), and its refusals."""
+
+import types
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rla_lib.engine_align import align_to_engine
+from rla_lib.models import load_model, load_tokenizer, resolve_model
+from rla_lib.tokenizer import build_tokenizer
+from rla_lib.trl_grpo import EngineGRPOTrainer, GRPOConfig, task_dataset, task_reward
+
+MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/exact_kl", "mismatch/abs_diff_mean", "mismatch/tokens"]
+TRL_KEYS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/mean", "reward"]
+
+
+def config(tmp_path, **overrides):
+    return GRPOConfig(**dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=16,
+                             num_generations=4, max_completion_length=24, learning_rate=1e-4, bf16=False, use_cpu=True,
+                             gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none",
+                             disable_tqdm=True, log_level="warning") | overrides)
+
+
+class RecordingTrainer(EngineGRPOTrainer):
+    """Keeps the last step's TRL batch and both full distributions, to check the exact KL's inputs."""
+
+    def _full_distributions(self, out):
+        self.recorded = (out, *super()._full_distributions(out))
+        return self.recorded[1:]
+
+
+@pytest.mark.engine
+def test_two_steps_log_the_mismatch_and_the_aligned_side_is_closer_on_the_same_tokens(compiled_engine, tmp_path):
+    runs = {}
+    try:
+        for arm in ("stock", "aligned"):
+            model = load_model("qwen3-tiny")
+            if arm == "aligned":
+                align_to_engine(model, compiled_engine)
+            trainer = RecordingTrainer(model, compiled_engine, task_reward, config(tmp_path), task_dataset(32))
+            trainer.train()
+            runs[arm] = trainer
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
+    logs = {arm: [h for h in t.state.log_history if "loss" in h] for arm, t in runs.items()}
+    for arm, rows in logs.items():
+        assert [h["step"] for h in rows] == [1, 2]
+        assert all(k in h for h in rows for k in MISMATCH_KEYS + TRL_KEYS), arm
+        assert all(h["mismatch/tokens"] > 0 for h in rows)
+        # the same masked tokens as TRL's own metric: TRL averages |d| in FP32, the monitor in FP64
+        assert all(h["mismatch/abs_diff_mean"] == pytest.approx(h["sampling/sampling_logp_difference/mean"], rel=1e-5)
+                   for h in rows)
+        assert all(h["mismatch/abs_diff_max"] == h["sampling/sampling_logp_difference/max"] for h in rows)
+        # the exact KL's training side is the distribution TRL scored: its sampled-token entries are TRL's logprobs
+        # (both FP32 log-softmax of the same BF16 logits, reduced in a different order: a few FP32 ulps)
+        out, _, training = runs[arm].recorded
+        mask = out["completion_mask"].bool()
+        picked = training.gather(-1, out["completion_ids"][..., None])[..., 0]
+        torch.testing.assert_close(picked[mask], out["old_per_token_logps"][mask], rtol=0, atol=1e-5)
+    # step 1 samples the same tokens in both runs (same weights in the engine, same seeds): a paired comparison
+    assert runs["stock"].rollout_digests[0] == runs["aligned"].rollout_digests[0]
+    stock, aligned = logs["stock"][0], logs["aligned"][0]
+    assert aligned["mismatch/k3"] < stock["mismatch/k3"]
+    assert aligned["mismatch/exact_kl"] < stock["mismatch/exact_kl"]
+
+
+def stand_in_engine(model="qwen3-tiny"):
+    """What the trainer's checks read of an Engine (its checkpoint and tokenizer), without starting vLLM."""
+    return types.SimpleNamespace(spec=resolve_model(model), tokenizer=load_tokenizer(model))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("llama", "LlamaForCausalLM; this trainer takes Qwen2ForCausalLM or Qwen3ForCausalLM"),
+    ("qwen2 model, qwen3 engine", "engine runs a Qwen3ForCausalLM"),
+    ("other tokenizer", "the tokenizer is not the engine's"),
+    ("autocast", "set bf16=False"),
+    ("top_p", "temperature only; leave top_p"),
+    ("name", "pass the model object"),
+])
+def test_bad_input_is_refused_before_training_and_writes_nothing(tmp_path, case, match):
+    model, tokenizer, overrides = load_model("qwen3-tiny"), None, {}
+    if case == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))
+    elif case == "qwen2 model, qwen3 engine":
+        model = load_model("qwen2-tiny")
+    elif case == "other tokenizer":
+        tokenizer = build_tokenizer(vocab_size=32)
+    elif case == "name":
+        model = "qwen3-tiny"
+    else:
+        overrides = {"autocast": dict(bf16=True), "top_p": dict(top_p=0.9)}[case]
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngineGRPOTrainer(model, stand_in_engine(), task_reward, config(tmp_path, **overrides), task_dataset(8),
+                          processing_class=tokenizer)
+    assert not (tmp_path / "out").exists()
