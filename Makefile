@@ -64,8 +64,10 @@ test: setup test-transformers
 # Notebooks 00-06 on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
 # Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape
 test-real-shape: setup real-shape
-	$(if $(RLA_REAL_SHAPE_MODEL),RLA_REAL_SHAPE_MODEL=$(abspath $(RLA_REAL_SHAPE_MODEL))) \
+	$(if $(RLA_REAL_SHAPE_MODEL),RLA_REAL_SHAPE_MODEL=$(abspath $(RLA_REAL_SHAPE_MODEL))) RLA_EXECUTED_DIR=$(CURDIR)/notebooks/executed-real-shape \
 		$(VENV)/bin/pytest -q -rs -m real_shape tests/test_notebooks.py $(PYTEST_ARGS)
+	$(PY) -m rla_lib.report times notebooks/executed-real-shape --name real_shape_notebooks \
+		--note "make test-real-shape: notebooks on $(or $(RLA_REAL_SHAPE_MODEL),.cache/real-shape/qwen3-0.6b-shape), parameters of tests/test_notebooks.py REAL_SHAPE"
 
 # The align tests under the other Transformers series rla_lib.align supports (rla_lib.align_versions; 5.19 is the
 # main environment's), each in a small environment of its own: torch and transformers, pinned in requirements/.

@@ -120,6 +120,17 @@ class Scores:
     full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
 
 
+def remove_orphaned_weights(base) -> None:
+    """Delete the weight folders of processes that no longer exist (killed before `close`): in /dev/shm they hold
+    RAM that nothing else would free."""
+    if not Path("/proc/self").exists():  # no way to tell a live process from a dead one
+        return
+    for folder in Path(base or tempfile.gettempdir()).glob("rla-weights-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def pack_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     """A tensor as (dtype, shape, raw bytes): what crosses vLLM's `collective_rpc` intact (its msgpack
     return path gives tensors back as plain lists). BF16 travels as its 16-bit patterns."""
@@ -232,7 +243,7 @@ class Engine:
         from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
         not depend on how prompts are batched.
         """
-        prompt_ids = [self._to_ids(p) for p in prompts]
+        prompt_ids = self._fit(prompts, 1)  # vLLM stops a response at the context end; a prompt must fit
         params = [
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=0,
@@ -280,7 +291,7 @@ class Engine:
                              f"this model has {self.spec.vocab_size}. Use top_k at temperature 1, or "
                              "prompt_hidden + logprobs_from_hidden (tensors, chunk by chunk; rla_lib.exact_kl).")
         k = -1 if (full_vocab or tempered) else top_k
-        seqs = [self._to_ids(s) for s in sequences]
+        seqs = self._fit(sequences, 1)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
         outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
                                     use_tqdm=vllm_bar(progress, "vLLM scoring"))
@@ -321,7 +332,7 @@ class Engine:
         (len - 1, hidden) tensor per sequence: what its prompt logprobs are computed from (vLLM's
         prompt-logprob pass, run with one logprob per position, so nothing vocabulary-sized leaves the engine).
         `logprobs_from_hidden` turns any slice of them into the full next-token distribution."""
-        seqs = [self._to_ids(s) for s in sequences]
+        seqs = self._fit(sequences, 1)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True)
         self.llm.collective_rpc("keep_prompt_hidden", args=(True,))
         try:
@@ -357,7 +368,8 @@ class Engine:
         state = {k: v.detach().to("cpu", torch_dtype(self.dtype)).contiguous() for k, v in state.items()}
         if self._weights_dir is None:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            self._weights_dir = tempfile.mkdtemp(prefix="rla-weights-", dir=base)
+            remove_orphaned_weights(base)
+            self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
         save_file(state, os.path.join(self._weights_dir, "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self._weights_dir, is_checkpoint_format=True))
         if self.spec.tie_word_embeddings:
@@ -430,6 +442,17 @@ class Engine:
         return res
 
     # ---- housekeeping -------------------------------------------------------------------
+    def _fit(self, sequences, extra: int) -> list[list[int]]:
+        """Token ids of each sequence, refused (before vLLM starts work) where one plus `extra` new tokens would not
+        fit the engine's context."""
+        seqs = [self._to_ids(s) for s in sequences]
+        longest = max(map(len, seqs), default=0)
+        if longest + extra > self.max_model_len:
+            raise ValueError(f"a sequence of {longest} tokens plus {extra} new does not fit this engine's context of "
+                             f"{self.max_model_len} tokens: start it with a larger max_model_len (the model allows "
+                             f"{self.spec.max_position_embeddings}), or shorten the sequences / max_tokens.")
+        return seqs
+
     def _to_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)

@@ -46,7 +46,7 @@ from .engine_align import engine_schedule_for
 from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, MismatchMonitor
 from .machine import machine
-from .models import load_model
+from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write, slug
 from .progress import bar
 from .rounding import round_mantissa
@@ -266,6 +266,9 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     Pass an open `Engine` (in the run's precision) to reuse it across runs: its weights are reset
     to the run's starting weights first.
     """
+    # FP32 master weights 4 + AdamW state 8 + FP32 gradients 4 + BF16 copy and its gradients 4 + the engine's copy 2
+    check_memory(resolve_model(cfg.model), 22, f"GRPO on {cfg.model}",
+                 "Pass a smaller checkpoint as `model` (e.g. a narrower `rla_lib.real_shape` one) or use a larger machine.")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "config.json"

@@ -180,6 +180,12 @@ class MismatchRun:
         b_sums, _ = self.per_sequence_sums(inference, b, estimator)
         return kl.paired_difference(a_sums, b_sums, counts, clusters=self.prompts, n_boot=n_boot, seed=seed)
 
+    def bitwise_share(self, inference: str, training: str, n_boot: int = 2000, seed: int = 0) -> kl.Estimate:
+        """The share of response tokens whose logprob on `training` is bit for bit the engine's, with a
+        prompt-level CI (unit 1: a fraction)."""
+        o, eq = self.offsets, (self.token_lp[inference] == self.token_lp[training]).astype(np.float64)
+        return kl.estimate([eq[a:b] for a, b in zip(o[:-1], o[1:])], clusters=self.prompts, n_boot=n_boot, seed=seed, unit=1.0)
+
     def tokens_digest(self) -> str:
         """Identifies the sampled tokens: a cached side is only valid for the tokens it scored."""
         h = hashlib.sha1(np.concatenate([np.asarray(s, np.int64) for s in self.sequences]).tobytes())

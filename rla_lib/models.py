@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -39,6 +40,15 @@ class ModelSpec:
     @property
     def family(self) -> str:
         return "qwen3" if self.architecture == "Qwen3ForCausalLM" else "qwen2"
+
+    @property
+    def parameters(self) -> int:
+        """The checkpoint's parameter count, from its safetensors headers (no weight is read)."""
+        n = 0
+        for f in sorted(self.path.glob("*.safetensors")):
+            with safe_open(f, "pt") as st:
+                n += sum(int(torch.Size(st.get_slice(k).get_shape()).numel()) for k in st.keys())
+        return n
 
     @property
     def small_vocab(self) -> bool:
@@ -108,9 +118,30 @@ def normalize_dtype(dtype) -> str:
     return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (Linux MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(spec: ModelSpec, bytes_per_parameter: float, what: str, advice: str) -> None:
+    """Refuse before any long work when `what` needs more memory than this machine has free."""
+    need, free = spec.parameters * bytes_per_parameter, available_memory()
+    if free is not None and need > free:
+        raise MemoryError(f"{what} needs about {need / 2**30:.1f} GiB ({spec.parameters / 1e9:.2f}B parameters x "
+                          f"{bytes_per_parameter:g} bytes) and this machine has {free / 2**30:.1f} GiB free. {advice}")
+
+
 def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu"):
     """The training side: the stock Transformers model (eager PyTorch, no compilation)."""
     spec = resolve_model(model)
+    check_memory(spec, torch_dtype(dtype).itemsize, f"loading {spec.name} in {normalize_dtype(dtype)}",
+                 "Pass a smaller checkpoint as `model` (e.g. a narrower `rla_lib.real_shape` one) or use a larger machine.")
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per load is noise in a GRPO loop or a notebook
     try:

@@ -156,6 +156,28 @@ def block_suite_time() -> str:
     return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
 
 
+def block_bitwise_tokens() -> str:
+    t, meta = load_table("02_bitwise_tokens")
+    t = t.reset_index() if "model" not in t.columns else t
+    cols = list(dict.fromkeys(zip(t["model"], t["vLLM mode"])))
+    rows = []
+    for side in dict.fromkeys(t["training side"]):
+        cells = []
+        for m, mode in cols:
+            r = t[(t["model"] == m) & (t["vLLM mode"] == mode) & (t["training side"] == side)].iloc[0]
+            cells.append(f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]")
+        rows.append([side] + cells)
+    return "\n\n".join([md_table(["training side"] + [f"{m} vs vLLM {mode}" for m, mode in cols], rows),
+                         source("02_bitwise_tokens", meta)])
+
+
+def block_real_shape_notebooks() -> str:
+    t, meta = load_table("real_shape_notebooks")
+    rows = [[r["notebook"], f"{r['seconds'] / 60:.1f} min"] for _, r in t.iterrows()]
+    return "\n\n".join([f"{meta.get('params', {}).get('note', '')}; each passed, its figures saved, no log noise in its cells:",
+                         md_table(["notebook", "time"], rows), source("real_shape_notebooks", meta)])
+
+
 def block_scoring_memory() -> str:
     t, meta = load_table("bench_scoring_memory")
     rows = [[r["case"], "yes" if r["grad"] else "no", f"{r['tokens']:,}", f"{r['peak_gb']:.2f} GB", f"{r['seconds']:.0f} s"]
@@ -374,6 +396,8 @@ BLOCKS = {
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),
     "isa-spread": block_isa_spread,
     "speed": measured_by("make bench && make run-all", block_speed),
+    "bitwise-tokens": measured_by("make run-all (notebook 02)", block_bitwise_tokens),
+    "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),
     "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),

