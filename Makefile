@@ -65,6 +65,7 @@ test: setup test-transformers
 # Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape
 test-real-shape: setup real-shape
 	$(if $(RLA_REAL_SHAPE_MODEL),RLA_REAL_SHAPE_MODEL=$(abspath $(RLA_REAL_SHAPE_MODEL))) RLA_EXECUTED_DIR=$(CURDIR)/notebooks/executed-real-shape \
+		RLA_REAL_SHAPE_TABLES=$(CURDIR)/tables/real-shape \
 		$(VENV)/bin/pytest -q -rs -m real_shape tests/test_notebooks.py $(PYTEST_ARGS)
 	$(PY) -m rla_lib.report times notebooks/executed-real-shape --name real_shape_notebooks \
 		--note "make test-real-shape: notebooks on $(or $(RLA_REAL_SHAPE_MODEL),.cache/real-shape/qwen3-0.6b-shape), parameters of tests/test_notebooks.py REAL_SHAPE"

@@ -45,7 +45,7 @@ from .engine import Engine
 from .engine_align import engine_schedule_for
 from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, MismatchMonitor
-from .machine import machine
+from .machine import machine, release_memory
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write, slug
 from .progress import bar
@@ -327,6 +327,7 @@ def run_many(runs, progress: bool | None = None):
             key = (cfg.model, cfg.engine_mode, cfg.engine_dtype)
             if key not in engines:
                 engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
+            release_memory()  # the previous run's weights and optimizer state
             yield cfg, out_dir, run(cfg, out_dir, engine=engines[key], progress=progress)
     finally:
         for engine in engines.values():

@@ -174,8 +174,23 @@ def block_bitwise_tokens() -> str:
 def block_real_shape_notebooks() -> str:
     t, meta = load_table("real_shape_notebooks")
     rows = [[r["notebook"], f"{r['seconds'] / 60:.1f} min"] for _, r in t.iterrows()]
-    return "\n\n".join([f"{meta.get('params', {}).get('note', '')}; each passed, its figures saved, no log noise in its cells:",
+    return "\n\n".join([f"{meta.get('params', {}).get('note', '')} (the target writes this table once every notebook's "
+                         "test has passed: it ran, saved its figures and tables, and left no log noise in its cells):",
                          md_table(["notebook", "time"], rows), source("real_shape_notebooks", meta)])
+
+
+def block_real_shape_results() -> str:
+    t, meta = load_table("02_schedule_reductions", TABLES_DIR / "real-shape")
+    t = t.reset_index() if "model" not in t.columns else t
+    rows = []
+    for (model, mode), g in t[t["from"] == "none"].groupby(["model", "mode"], sort=False):
+        g = g.set_index("to")
+        engine = [c for c in g.index if "attention" in c]
+        cells = [pct_ci(g.loc[c, "relative"], g.loc[c, "rel_ci_low"], g.loc[c, "rel_ci_high"]) if c in g.index else ""
+                 for c in ("paper", f"schedule_{mode}", engine[0] if engine else None)]
+        rows.append([f"{Path(model).name} vs vLLM {mode}", f"{g['a'].iloc[0]:.3g}"] + cells + [f"{int(g['n_clusters'].iloc[0])}"])
+    return "\n\n".join([md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned",
+                                   "prompts"], rows), source("real-shape/02_schedule_reductions", meta)])
 
 
 def block_scoring_memory() -> str:
@@ -347,6 +362,13 @@ def block_speed() -> str:
         before, _ = load_table("bench_grpo_step_bf16_before")
         add("GRPO step <= 0.5 s", "default BF16, 16 prompts x 8 samples, median", "benchmarks/grpo_step.py",
             f"{before['total'].iloc[0]:.2f} s", f"{after['total'].iloc[0]:.2f} s", meta)
+    if (TABLES_DIR / "bench_grpo_step_bf16_qwen3-0.6b-shape.csv").exists():
+        t, meta = load_table("bench_grpo_step_bf16_qwen3-0.6b-shape")
+        r, p = t.iloc[0], meta.get("params", {})
+        add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
+            f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
+            "(not measured)", f"{r['total']:.1f} s ({r['rollout']:.1f} rollout + {r['score']:.1f} scoring + {r['update']:.1f} "
+            f"update + {r['sync']:.1f} weight push), peak {r['peak_gb']:.1f} GB (training process)", meta)
     if (TABLES_DIR / "bench_align_overhead.csv").exists():
         after, meta = load_table("bench_align_overhead")
         before, _ = load_table("bench_align_overhead_before")
@@ -397,6 +419,7 @@ BLOCKS = {
     "isa-spread": block_isa_spread,
     "speed": measured_by("make bench && make run-all", block_speed),
     "bitwise-tokens": measured_by("make run-all (notebook 02)", block_bitwise_tokens),
+    "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),

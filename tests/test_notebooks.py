@@ -73,17 +73,19 @@ REAL_SHAPE = {
 def test_notebook_executes_at_real_shape(name, tmp_path, monkeypatch, shared_results):
     if not (Path(REAL_SHAPE_MODEL) / "config.json").exists():
         pytest.fail(f"{REAL_SHAPE_MODEL} is missing: `make test-real-shape` makes it first (or run `make real-shape`)")
-    # `make test-real-shape` keeps the executed notebooks (RLA_EXECUTED_DIR) and saves their times (rla_lib.report times)
+    # `make test-real-shape` keeps the executed notebooks (RLA_EXECUTED_DIR), their times (rla_lib.report times) and
+    # their result tables (RLA_REAL_SHAPE_TABLES: tables/real-shape/, which the README reads)
     executed = Path(os.environ.get("RLA_EXECUTED_DIR", tmp_path))
-    execute(ROOT / "notebooks" / f"{name}.ipynb", REAL_SHAPE[name], tmp_path, monkeypatch, shared_results, executed)
+    tables = os.environ.get("RLA_REAL_SHAPE_TABLES")
+    execute(ROOT / "notebooks" / f"{name}.ipynb", REAL_SHAPE[name], tmp_path, monkeypatch, shared_results, executed, tables)
 
 
-def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results, executed_dir=None):
+def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results, executed_dir=None, tables_dir=None):
     """Run one notebook under papermill as `make run-all` does; check its figures, tables and quiet cells."""
     # the kernel inherits these: quick-run figures, results and tables stay out of the repository
     monkeypatch.setenv("RLA_FIGURES_DIR", str(tmp_path / "figures"))
     monkeypatch.setenv("RLA_RESULTS_DIR", str(shared_results))
-    monkeypatch.setenv("RLA_TABLES_DIR", str(tmp_path / "tables"))
+    monkeypatch.setenv("RLA_TABLES_DIR", str(tables_dir or tmp_path / "tables"))
     monkeypatch.setenv("RLA_PROGRESS", "0")  # as make run-all: no frozen bars in the executed notebook
     executed = Path(executed_dir or tmp_path) / nb_path.name
     executed.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,8 @@ def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results, executed
     stderr = [line for line in stderr_lines(executed) if line.strip()]
     assert not stderr, f"{nb_path.name}: log noise in the executed notebook's cells, e.g. {stderr[:5]}"
     if calls_save_table(nb_path):
-        assert list((tmp_path / "tables").glob("*.csv")), f"{nb_path.name} calls save_table but wrote no table"
+        assert list(Path(tables_dir or tmp_path / "tables").glob(f"{nb_path.stem[:2]}_*.csv")), \
+            f"{nb_path.name} calls save_table but wrote no table"
 
 
 def stderr_lines(executed_path) -> list[str]:
