@@ -16,7 +16,7 @@ import time
 
 import pandas as pd
 
-from rla_lib.paths import ROOT
+from rla_lib.paths import RESULTS_DIR, ROOT, atomic_write
 from rla_lib.report import TABLES_DIR, save_table
 
 
@@ -47,7 +47,9 @@ def main() -> None:
         if rc:
             raise SystemExit(f"make setup failed:\n{out[-3000:]}")
         test_s, out, rc = timed(["make", "test"], tmp, env)
+    log = atomic_write(RESULTS_DIR / f"fresh_clone_{label}.log", lambda tmp: tmp.write_text(out))
     print(out[-1500:])
+    print("\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))), f"\n(full log: {log})")
     counts = pytest_counts(out)
     row = dict(label=label, commit=commit, setup_s=round(setup_s), test_s=round(test_s), total_s=round(setup_s + test_s),
                passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),

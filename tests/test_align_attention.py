@@ -96,13 +96,7 @@ def test_eager_kernel_generates_as_the_eager_model(family, padded):
     sdpa_model, eager_model = build(family, attn="sdpa", **SLIDING), build(family, attn="eager", **SLIDING)
     input_ids, mask = batch(pad_right=False)
     mask = mask if padded else torch.ones_like(mask)
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    kwargs |= dict(return_dict_in_generate=True, output_logits=True)
-    expected = eager_model.generate(input_ids, **kwargs)
-    with rla.aligned(sdpa_model, "attention", attention="eager"):
-        out = sdpa_model.generate(input_ids, **kwargs)
-    assert torch.equal(out.sequences, expected.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits, strict=True))
+    assert_generates_alike(sdpa_model, eager_model, input_ids, attention_mask=mask, max_new_tokens=6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,8 +104,13 @@ def test_eager_kernel_generates_as_the_eager_model_with_a_static_cache(family):
     """A static cache writes where the attention forward tells it (on 4.x: `cache_position` in the cache kwargs)."""
     sdpa_model, eager_model = build(family, attn="sdpa"), build(family, attn="eager")
     input_ids, mask = batch(pad_right=False)
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
-    kwargs |= dict(return_dict_in_generate=True, output_logits=True)
+    assert_generates_alike(sdpa_model, eager_model, input_ids, attention_mask=mask, max_new_tokens=5,
+                           cache_implementation="static")
+
+
+def assert_generates_alike(sdpa_model, eager_model, input_ids, **kwargs):
+    """Greedy generation of the sdpa model with the eager kernel equals the eager model's: tokens and logits, bitwise."""
+    kwargs |= dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     expected = eager_model.generate(input_ids, **kwargs)
     with rla.aligned(sdpa_model, "attention", attention="eager"):
         out = sdpa_model.generate(input_ids, **kwargs)
