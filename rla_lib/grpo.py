@@ -20,6 +20,11 @@ logprobs; the training side scores the same distribution (`Policy.logprobs` divi
 by T, as vLLM does), so at T != 1 the ratio compares like with like. Held-out accuracy is always
 measured at T=1.
 
+Mismatch columns of the history: `sampled_kl`, `k3` and `exact_kl` per token (1e-4; exact = the full-vocabulary
+KL(inference || training), logged where the vocabulary is small enough for the engine to return whole sampling
+distributions), `seq_k3` and `seq_exact_kl` per response (nats: each response's sum, averaged), `tis_weight` (mean
+min(rho, cap)) and `seq_is_above_cap` (share of responses whose sequence-level ratio exceeds the cap).
+
 Results go to `out_dir`: `history.csv` (one row per step), `checkpoint.pt` every `checkpoint_every`
 steps (weights, optimizer, step); a run started again with the same `out_dir` resumes from it and
 gives the same results as an uninterrupted run. Every file is written atomically.
@@ -44,7 +49,7 @@ from .align import REGIONS, align
 from .engine import Engine
 from .engine_align import engine_schedule_for
 from .graphs import schedule_to_align_kwargs
-from .kl import MONITOR_COLUMNS, MismatchMonitor
+from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
 from .machine import machine, release_memory
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write, slug
@@ -73,6 +78,9 @@ class GRPOConfig:
     tis_cap: float | None = None  # truncated importance sampling weight cap (e.g. 2.0); None = no correction
     rollout_mantissa_bits: int | None = None  # engine gets weights rounded to this many mantissa bits (< 7):
     # a controlled, larger mismatch (lower-precision rollouts, e.g. FP8 E4M3 keeps 3); None = plain BF16
+    rollout_logit_noise: float = 0.0  # a second kind of dose: the engine samples from logits + N(0, sigma^2)
+    # per vocabulary entry (rla_lib.logit_noise); held-out accuracy is measured without it
+    task: str = "sums"  # the task variant (rla_lib.task.TASKS): "steps" has 45-100-token answers (qwen3-tiny-steps)
     eval_every: int = 10
     eval_prompts: int = 128
     checkpoint_every: int = 10
@@ -85,6 +93,10 @@ class GRPOConfig:
             raise ValueError("alignment changes nothing in FP32: use regions=() with precision='fp32'")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (GRPO needs the sampling distribution's logprobs), got {self.temperature}")
+        if self.task not in task.TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {list(task.TASKS)}")
+        if not self.rollout_logit_noise >= 0:
+            raise ValueError(f"rollout_logit_noise is a standard deviation (>= 0), got {self.rollout_logit_noise}")
         if self.rollout_mantissa_bits is not None and not (self.precision == "bf16" and 0 <= self.rollout_mantissa_bits < 7):
             raise ValueError("rollout_mantissa_bits must be in [0, 6] (BF16 keeps 7) with precision='bf16'; "
                              f"got {self.rollout_mantissa_bits} with precision={self.precision!r}")
@@ -110,16 +122,33 @@ CONFIGURATIONS = {
 }
 ENGINE_SCHEDULE = "engine schedule"  # aligned to the engine's own rounding schedule, attention included
 
+# The dose axis of the mismatch study (issue 15): rollouts made deliberately worse in two unrelated ways while
+# the trained policy stays BF16. Coarser weights (BF16 keeps 7 mantissa bits; FP8 E4M3 keeps 3) perturb every
+# layer deterministically; logit noise perturbs only the sampler, at random. Each with and without TIS.
+ROLLOUT_BITS = (3, 2, 1)
+LOGIT_NOISE = (0.1, 0.3, 1.0)
+TIS = " + TIS"
+
+
+def dose_configurations(tis_cap: float = TIS_CAP) -> dict[str, dict]:
+    """The dose arms by name: default BF16, then each dose, each also with truncated importance sampling."""
+    arms = {"default BF16": {}}
+    arms |= {f"default BF16, {b}-bit rollouts": dict(rollout_mantissa_bits=b) for b in ROLLOUT_BITS}
+    arms |= {f"default BF16, logit noise {s:g}": dict(rollout_logit_noise=s) for s in LOGIT_NOISE}
+    return arms | {name + TIS: dict(settings, tis_cap=tis_cap) for name, settings in arms.items()}
+
 
 def configuration(name: str, model: str, engine_mode: str = "compiled") -> dict:
-    """GRPOConfig settings of a named configuration: one of `CONFIGURATIONS`, or `ENGINE_SCHEDULE`, read for this
-    model and engine mode on this machine (`rla_lib.engine_align.engine_schedule_for`: kept, or read and probed)."""
+    """GRPOConfig settings of a named configuration: one of `CONFIGURATIONS` or `dose_configurations()`, or
+    `ENGINE_SCHEDULE`, read for this model and engine mode on this machine (`rla_lib.engine_align.engine_schedule_for`:
+    kept, or read and probed)."""
     if name == ENGINE_SCHEDULE:
         regions, options = schedule_to_align_kwargs(engine_schedule_for(model, engine_mode))
         return dict(regions=regions, align_options=options, engine_mode=engine_mode)
-    if name not in CONFIGURATIONS:
-        raise ValueError(f"unknown configuration {name!r}; choose from {[*CONFIGURATIONS, ENGINE_SCHEDULE]}")
-    return CONFIGURATIONS[name]
+    named = CONFIGURATIONS | dose_configurations()
+    if name not in named:
+        raise ValueError(f"unknown configuration {name!r}; choose from {[*named, ENGINE_SCHEDULE]}")
+    return named[name]
 
 
 def run_name(name: str, settings: dict) -> str:
@@ -181,17 +210,18 @@ class Policy:
             return self.master
         return {k: round_mantissa(v.detach(), bits) for k, v in self.master.state_dict().items()}
 
-    def logprobs(self, ids, mask, grad: bool):
+    def logprobs(self, ids, mask, grad: bool, full: bool = False):
         """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position.
 
         Both of the distribution the engine samples from: softmax(logits / cfg.temperature).
+        full=True also returns the whole log-distribution (B, T-1, V), detached (small vocabularies).
         """
         with torch.set_grad_enabled(grad):
             logits = self.compute(input_ids=ids, attention_mask=mask).logits[:, :-1]
             logp = log_softmax_at(logits, self.cfg.temperature)
             lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
             entropy = -(logp.exp() * logp).sum(-1).detach()
-        return lp, entropy
+        return (lp, entropy, logp.detach()) if full else (lp, entropy)
 
     def step(self, loss) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -208,12 +238,12 @@ class Policy:
 
 
 # ---- the loop ------------------------------------------------------------------------------
-def training_prompts(step: int, n: int, seed: int, exclude: set[str]) -> list[task.Problem]:
+def training_prompts(step: int, n: int, seed: int, exclude: set[str], task_name: str = "sums") -> list[task.Problem]:
     """Prompts for one step, a pure function of (seed, step) so a resumed run sees the same ones."""
     rng = random.Random(f"{seed}-{step}")
     out = []
     while len(out) < n:
-        p = task.sample_problem(rng)
+        p = task.sample_problem(rng, task.TASKS[task_name])
         if p.prompt not in exclude:
             out.append(p)
     return out
@@ -275,7 +305,9 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     settings = dataclasses.asdict(cfg) | {"regions": list(cfg.regions)}
     if config_path.exists():  # resuming (or extending with more steps) needs the same settings otherwise
         saved = json.loads(config_path.read_text())
-        changed = sorted(k for k in settings if k != "steps" and saved.get(k) != settings[k])
+        # a setting added after the run was started is absent from its config.json: it ran with that setting's default
+        defaults = dataclasses.asdict(GRPOConfig()) | {"regions": []}
+        changed = sorted(k for k in settings if k != "steps" and saved.get(k, defaults[k]) != settings[k])
         if changed:
             raise ValueError(f"{out_dir} holds a run with different settings ({', '.join(changed)}); "
                              "use another out_dir, or delete it to start over")
@@ -297,8 +329,8 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
         engine = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
     engine.load_weights(policy.rollout_weights())
 
-    eval_split = task.load_split()[: cfg.eval_prompts]
-    exclude = {p.prompt for p in task.load_split()}
+    held_out = task.load_split(task.eval_split_path(cfg.task))
+    eval_split, exclude = held_out[: cfg.eval_prompts], {p.prompt for p in held_out}
     monitor = MismatchMonitor()
     if not history:  # step 0: the held-out accuracy before any update, the start of every curve
         history.append(dict(step=0, eval_prompts=len(eval_split), **evaluate_run(cfg, policy, engine, eval_split)))
@@ -316,19 +348,30 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     return pd.DataFrame(history)
 
 
-def run_many(runs, progress: bool | None = None):
+def run_many(runs, progress: bool | None = None, keep_going: bool = False):
     """Run `[(cfg, out_dir), ...]` in order, one engine per (model, mode, dtype) shared by the runs that need it.
 
-    Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end.
+    Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end. keep_going=True: a run
+    that fails yields the exception in place of its history and the next run starts (its checkpoint is kept; the
+    failed engine is replaced), so one bad run does not stop a sweep.
     """
     engines = {}
     try:
         for cfg, out_dir in runs:
             key = (cfg.model, cfg.engine_mode, cfg.engine_dtype)
-            if key not in engines:
-                engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
-            release_memory()  # the previous run's weights and optimizer state
-            yield cfg, out_dir, run(cfg, out_dir, engine=engines[key], progress=progress)
+            try:
+                if key not in engines:
+                    engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
+                release_memory()  # the previous run's weights and optimizer state
+                history = run(cfg, out_dir, engine=engines[key], progress=progress)
+            except Exception as error:
+                if not keep_going:
+                    raise
+                engine = engines.pop(key, None)
+                if engine is not None:
+                    engine.close()
+                history = error
+            yield cfg, out_dir, history
     finally:
         for engine in engines.values():
             engine.close()
@@ -340,8 +383,9 @@ def minibatch_rows(cfg, step: int, n: int) -> list[torch.Tensor]:
     return [torch.from_numpy(mb) for mb in np.array_split(order, cfg.minibatches)]
 
 
-def score_rows(policy, ids, attn, rows, old_lp, entropy) -> None:
-    """Fill old_lp and entropy at `rows` (no grad), cut to those rows' longest sequence.
+def score_rows(policy, ids, attn, rows, old_lp, entropy, old_full=None) -> None:
+    """Fill old_lp and entropy (and old_full, the whole distributions, if given) at `rows` (no grad), cut to
+    those rows' longest sequence.
 
     Each row's logprobs depend on neither the other rows nor the padding after it (right padding,
     causal attention), bit for bit: tests/test_grpo_speed.py checks it. Entries past the cut stay 0;
@@ -351,15 +395,18 @@ def score_rows(policy, ids, attn, rows, old_lp, entropy) -> None:
         return
     width = int(attn[rows].sum(1).max())
     with torch.no_grad():
-        lp, ent = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
+        lp, ent, *full = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False, full=old_full is not None)
     old_lp[rows, : width - 1], entropy[rows, : width - 1] = lp, ent
+    if old_full is not None:
+        old_full[rows, : width - 1] = full[0]
 
 
 def rollout(cfg, step: int, engine, exclude) -> tuple[list, np.ndarray]:
     """The step's samples (`group_size` per training prompt, seeded by step) and their 0/1 rewards."""
-    problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude)
+    problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude, cfg.task)
     groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False)
+                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False,
+                           logit_noise=cfg.rollout_logit_noise, full=engine.spec.small_vocab)
     samples = [s for g in groups for s in g]
     return samples, np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
 
@@ -387,22 +434,29 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     ids, attn, resp, inf_lp = response_batch(samples)
     minibatches = minibatch_rows(cfg, step, len(samples))
     old_lp, entropy = torch.zeros_like(resp), torch.zeros_like(resp)
-    score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy)
+    exact = samples[0].full is not None  # whole distributions on both sides: the exact KL (small vocabularies)
+    old_full = torch.zeros(*resp.shape, samples[0].full.shape[1]) if exact else None
+    score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy, old_full)
     lengths = resp.sum(1).long()
     t_score = time.perf_counter()
 
     adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
     grad_norms, clip_fracs = [], []
     for i, mb in enumerate(minibatches):
-        new_lp, new_entropy = policy.logprobs(ids[mb], attn[mb], grad=True)
+        new_lp, new_entropy, *full = policy.logprobs(ids[mb], attn[mb], grad=True, full=exact)
         if i == 0:
             old_lp[mb], entropy[mb] = new_lp.detach(), new_entropy
+            if exact:
+                old_full[mb] = full[0]
         tis = torch.clamp(torch.exp(old_lp[mb] - inf_lp[mb]), max=cfg.tis_cap) if cfg.tis_cap else None
         loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, tis)
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
-    monitor.update(step, [s.logprobs for s in samples],
-                   [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))])
+    train_lp = [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))]
+    monitor.update(step, [s.logprobs for s in samples], train_lp)
+    per_sequence = mismatch_summary([s.logprobs for s in samples], train_lp, *(
+        ([s.full for s in samples], [old_full[i][resp[i] > 0].numpy() for i in range(len(samples))]) if exact else ()),
+        tis_cap=cfg.tis_cap or TIS_CAP)
     t_update = time.perf_counter()
     engine.load_weights(policy.rollout_weights())
     t_sync = time.perf_counter()
@@ -410,6 +464,9 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     m = monitor.rows[-1]
     row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
                mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
+               exact_kl=per_sequence.get("exact_kl", np.nan) / UNIT, seq_k3=per_sequence["k3_per_sequence"],
+               seq_exact_kl=per_sequence.get("exact_kl_per_sequence", np.nan), tis_weight=per_sequence["tis_weight_mean"],
+               seq_is_above_cap=per_sequence["seq_is_ratio_above_cap"],
                entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
                clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
                padded_tokens=ids.numel(), real_tokens=int(attn.sum()),

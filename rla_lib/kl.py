@@ -296,7 +296,8 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     per token and rho = exp(-d) = p_train / p_inf, the weight that corrects the training loss for
     sampling from the inference side, the statistics pool every token of the batch:
     k1 = mean d (the paper's estimator); k3 = mean(rho - 1 - log rho); exact_kl = mean per-position
-    KL(p_inf || p_train) (only with the full distributions); abs_diff_mean / abs_diff_max = mean / max |d|;
+    KL(p_inf || p_train) (only with the full distributions), exact_kl_per_sequence = its sum over each
+    response, averaged over responses; abs_diff_mean / abs_diff_max = mean / max |d|;
     k1_per_sequence / k3_per_sequence = each response's sum of terms, averaged over responses (nats per
     response: the log of a sequence-level importance ratio is a sum); is_ratio_mean / min / max = of rho,
     untruncated; tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
@@ -312,7 +313,7 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     d = np.concatenate([a - b for a, b in zip(inf, train)]) if inf else np.zeros(0)
     out = {"tokens": len(d), "sequences": int((lengths > 0).sum())}
     if not len(d):
-        return out | dict.fromkeys(MISMATCH_STATS + (("exact_kl",) if inference_full is not None else ()), np.nan)
+        return out | dict.fromkeys(MISMATCH_STATS + (("exact_kl", "exact_kl_per_sequence") if inference_full is not None else ()), np.nan)
     k3 = k3_terms(d, 0.0)
     ends = np.cumsum(lengths)[:-1]
     seq_d = np.array([t.sum() for t in np.split(d, ends)])[lengths > 0]
@@ -329,6 +330,7 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
         if [len(e) for e in exact] != list(lengths):
             raise ValueError("full distributions must have one row per sampled token of their response")
         out["exact_kl"] = np.concatenate(exact).mean()
+        out["exact_kl_per_sequence"] = np.array([e.sum() for e in exact])[lengths > 0].mean()
     return {k: v if k in ("tokens", "sequences") else float(v) for k, v in out.items()}
 
 

@@ -19,7 +19,8 @@ from transformers.utils import logging as hf_logging
 from .machine import use_bf16_matmul
 from .paths import MODELS_DIR
 
-EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny"}
+EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny",
+                   "qwen3-tiny-steps": MODELS_DIR / "qwen3-tiny-steps"}  # the last: long answers (task "steps")
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The two precisions this project compares, by every name they go by (torch dtypes included, via str()).
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}

@@ -16,6 +16,7 @@ per token (not the 1e-4 units of `kl`'s tables and `MismatchMonitor`), nats per 
     mismatch/k3                      mean(rho - 1 - log rho): unbiased too, never negative, less noisy
     mismatch/exact_kl                mean over positions of the full-vocabulary KL(p_inf || p_train); only when
                                      both sides' (B, T, V) log-probs are given (small vocabularies)
+    mismatch/exact_kl_per_sequence   mean over responses of the exact KL summed over the response (with the above)
     mismatch/abs_diff_mean, _max     mean and max |d|
     mismatch/k1_per_sequence         mean over responses of sum_t d = log(p_inf(y) / p_train(y)): what a
                                      sequence-level importance ratio sees (it grows with length)

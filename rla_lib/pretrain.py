@@ -5,8 +5,13 @@ models answer right often but not always at temperature 1, so RL has room to imp
 and their next-token distributions are peaked like a real LM's (a random-init model's
 near-uniform outputs make mismatch numbers meaningless).
 
+A third, `qwen3-tiny-steps`, answers the long-answer task variant (`task.TASKS["steps"]`, 45-100
+response tokens): it starts from `qwen3-tiny` (same shape, context extended to 160 positions; RoPE has
+no length-bound parameter) and is fine-tuned on the new format, which is much faster than training
+from scratch. `make models` trains all three; `--arch qwen3-steps` just this one.
+
 Deterministic on a given machine: fixed seeds, fixed thread count, data drawn from a
-seeded generator. Run: python -m rla_lib.pretrain [--arch qwen3 qwen2] [--steps N]
+seeded generator. Run: python -m rla_lib.pretrain [--arch qwen3 qwen2 qwen3-steps] [--steps N]
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from . import task
 from .models import EMBEDDED_MODELS
 from .tokenizer import VOCAB, build_tokenizer
 
-EMBEDDED = {"qwen3": EMBEDDED_MODELS["qwen3-tiny"], "qwen2": EMBEDDED_MODELS["qwen2-tiny"]}  # by architecture
-# Training stops at the first check where temperature-1 accuracy on a dev split reaches 50%: right
+EMBEDDED = {"qwen3": EMBEDDED_MODELS["qwen3-tiny"], "qwen2": EMBEDDED_MODELS["qwen2-tiny"],
+            "qwen3-steps": EMBEDDED_MODELS["qwen3-tiny-steps"]}  # by --arch
+# Training stops at the first check where temperature-1 accuracy on a dev split reaches the target: right
 # often but not always, so RL has room to improve. Qwen2 (no Q/K norm) learns slower: a longer schedule.
-TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=4000, stop_at_accuracy=0.5)}
+# The long-answer model needs every one of 5-9 additions right: a lower target, a fine-tune from qwen3-tiny.
+TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=4000, stop_at_accuracy=0.5),
+            "qwen3-steps": dict(steps=1500, stop_at_accuracy=0.4, lr=1e-3, init="qwen3", task="steps")}
 DEV_SPLIT_SEED = 4242
-MAX_POSITIONS = 64  # longest prompt + response of the task is 39 tokens
+MAX_POSITIONS = {"sums": 64, "steps": 160}  # longest prompt + response: 39 and 126 tokens
+MAX_NEW_TOKENS = {"sums": 24, "steps": 112}
 
 SHAPE = dict(
     vocab_size=len(VOCAB),
@@ -45,7 +54,7 @@ SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,  # GQA, as in every Qwen2/Qwen3 release
     head_dim=64,
-    max_position_embeddings=MAX_POSITIONS,
+    max_position_embeddings=MAX_POSITIONS["sums"],
     rms_norm_eps=1e-6,
     bos_token_id=0,
     eos_token_id=0,
@@ -80,6 +89,7 @@ def encode_batch(problems, tokenizer, with_solution=True):
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, problems, temperature=1.0, seed=0, batch_size=128):
     """Accuracy of answers sampled by Transformers' `generate` (the engine is not needed here)."""
+    max_new_tokens = MAX_NEW_TOKENS[problems[0].format]
     model.eval()
     tokenizer.padding_side = "left"
     torch.manual_seed(seed)
@@ -88,7 +98,7 @@ def sampled_accuracy(model, tokenizer, problems, temperature=1.0, seed=0, batch_
         chunk = problems[i : i + batch_size]
         enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
         kwargs = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
-        out = model.generate(**enc, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id, **kwargs)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(task.reward(p, t) for p, t in zip(chunk, texts))
     model.train()
@@ -96,13 +106,18 @@ def sampled_accuracy(model, tokenizer, problems, temperature=1.0, seed=0, batch_
 
 
 def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log_every: int = 100,
-          stop_at_accuracy: float | None = None):
-    """Train from scratch; with stop_at_accuracy, stop at the first check (every `log_every` steps,
-    from a third of the way on) where temperature-1 accuracy on a dev split reaches it."""
+          stop_at_accuracy: float | None = None, init: str | None = None, task_name: str = "sums"):
+    """Train from scratch (or from the embedded model of `init`); with stop_at_accuracy, stop at the first check
+    (every `log_every` steps, from a third of the way on) where temperature-1 accuracy on a dev split reaches it."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = build_tokenizer()
-    model = AutoModelForCausalLM.from_config(make_config(arch), dtype=torch.float32)
+    task_config = task.TASKS[task_name]
+    if init:
+        model = AutoModelForCausalLM.from_pretrained(EMBEDDED[init], dtype=torch.float32)
+        model.config.max_position_embeddings = MAX_POSITIONS[task_name]
+    else:
+        model = AutoModelForCausalLM.from_config(make_config(arch), dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
@@ -110,10 +125,10 @@ def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: i
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
     )
-    dev_split = task.make_split(DEV_SPLIT_SEED, 128)
+    dev_split = task.make_split(DEV_SPLIT_SEED, 128, task_config)
     history, t0 = [], time.time()
     for step in range(1, steps + 1):
-        ids, attn, loss_mask = encode_batch([task.sample_problem(rng) for _ in range(batch_size)], tokenizer)
+        ids, attn, loss_mask = encode_batch([task.sample_problem(rng, task_config) for _ in range(batch_size)], tokenizer)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
@@ -146,7 +161,8 @@ def save_model(model, tokenizer, out_dir: Path, metadata: dict) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", nargs="+", default=["qwen3", "qwen2"], choices=sorted(EMBEDDED))
+    parser.add_argument("--arch", nargs="+", default=["qwen3", "qwen2", "qwen3-steps"], choices=sorted(EMBEDDED),
+                        help="qwen3-steps starts from the trained qwen3: with the default list it runs after the others")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps, no early stop (default: {TRAINING})")
     parser.add_argument("--out", type=Path, default=None, help="output root (default: data/models, and the eval split)")
     parser.add_argument("--eval-size", type=int, default=task.EVAL_SPLIT_SIZE, help="held-out problems to report accuracy on")
@@ -156,20 +172,22 @@ def main(argv=None):
     # Results depend on the thread count; one thread makes them the same on any machine with this
     # torch build (`make models` trains the two models in parallel processes instead).
     torch.set_num_threads(1)
-    eval_split = task.make_split(task.EVAL_SPLIT_SEED, task.EVAL_SPLIT_SIZE)
-    if args.out is None:
-        task.save_split(eval_split, task.EVAL_SPLIT_PATH)
-    eval_split = eval_split[: args.eval_size]
     for arch in args.arch:
-        settings = dict(steps=args.steps, stop_at_accuracy=None) if args.steps else TRAINING[arch]
-        model, tokenizer, history = train(arch, **settings)
+        settings = dict(TRAINING[arch], **(dict(steps=args.steps, stop_at_accuracy=None) if args.steps else {}))
+        task_name = settings.pop("task", "sums")
+        eval_split = task.make_split(task.EVAL_SPLIT_SEED, task.EVAL_SPLIT_SIZE, task.TASKS[task_name])
+        if args.out is None:
+            task.save_split(eval_split, task.eval_split_path(task_name))
+        eval_split = eval_split[: args.eval_size]
+        model, tokenizer, history = train(arch.split("-")[0], **settings, task_name=task_name)
         steps = history[-1]["step"]
         acc_t1 = sampled_accuracy(model, tokenizer, eval_split, temperature=1.0)
         acc_greedy = sampled_accuracy(model, tokenizer, eval_split, temperature=0.0)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"[{arch}] eval accuracy: T=1 {acc_t1:.3f}, greedy {acc_greedy:.3f}; {n_params / 1e6:.2f}M parameters")
         meta = dict(arch=arch, steps=steps, schedule=settings, parameters=n_params, eval_accuracy_t1_fp32=acc_t1,
-                    eval_accuracy_greedy_fp32=acc_greedy, task=asdict(task.TaskConfig()), history=history)
+                    eval_accuracy_greedy_fp32=acc_greedy, task=asdict(task.TASKS[task_name]), task_name=task_name,
+                    history=history)
         out = (args.out / EMBEDDED[arch].name) if args.out else EMBEDDED[arch]
         save_model(model, tokenizer, out, meta)
         print(f"[{arch}] saved to {out}")
@@ -177,10 +195,12 @@ def main(argv=None):
 
 def _train_in_parallel(args) -> None:
     extra = (["--steps", str(args.steps)] if args.steps else []) + ["--eval-size", str(args.eval_size)] + (["--out", str(args.out)] if args.out else [])
-    procs = {a: subprocess.Popen([sys.executable, "-m", "rla_lib.pretrain", "--arch", a, *extra]) for a in args.arch}
-    failed = [a for a, p in procs.items() if p.wait() != 0]
-    if failed:
-        raise SystemExit(f"training failed for {failed}; see the output above")
+    first = [a for a in args.arch if not TRAINING[a].get("init")]  # the ones others start from train first
+    for group in (first, [a for a in args.arch if a not in first]):
+        procs = {a: subprocess.Popen([sys.executable, "-m", "rla_lib.pretrain", "--arch", a, *extra]) for a in group}
+        failed = [a for a, p in procs.items() if p.wait() != 0]
+        if failed:
+            raise SystemExit(f"training failed for {failed}; see the output above")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import spread
+from . import dose_response, spread
 from .align import REGIONS
 from .machine import describe
 from .mismatch import config_name
@@ -49,7 +49,7 @@ def source(name: str, meta: dict) -> str:
             f"measured on {describe(meta.get('machine', {}))})._")
 
 
-MODEL_ORDER = ["qwen3-tiny", "qwen2-tiny"]
+MODEL_ORDER = ["qwen3-tiny", "qwen2-tiny", "qwen3-tiny-steps"]
 
 
 # ---- blocks ---------------------------------------------------------------------------------
@@ -60,10 +60,11 @@ def block_models() -> str:
         train, cfg = json.loads((d / "training.json").read_text()), json.loads((d / "config.json").read_text())
         size = sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6
         minutes = train["history"][-1]["seconds"] / 60 if train.get("history") else float("nan")
-        rows.append([f"`{name}`", f"`{cfg['architectures'][0]}`", f"{train['parameters'] / 1e6:.2f}M", f"{size:.1f} MB",
+        rows.append([f"`{name}`", f"`{cfg['architectures'][0]}`", train.get("task_name", "sums"),
+                     f"{train['parameters'] / 1e6:.2f}M", f"{size:.1f} MB",
                      f"{train['steps']:,}", f"{minutes:.0f} min", f"{train['eval_accuracy_t1_fp32']:.1%}",
                      f"{train['eval_accuracy_greedy_fp32']:.1%}"])
-    return md_table(["model", "architecture", "parameters", "size", "training steps", "training time", "accuracy at T=1",
+    return md_table(["model", "architecture", "task", "parameters", "size", "training steps", "training time", "accuracy at T=1",
                      "greedy"], rows) + "\n\n_From `data/models/*/training.json` and `config.json`, written by `make models`._"
 
 
@@ -279,6 +280,28 @@ def block_grpo_sweep() -> str:
     return "\n\n".join([head, md_table(header, rows), sweep, source("06_sweep", meta)])
 
 
+def block_dose_response() -> str:
+    arms, meta = load_table("06_dose_arms")
+    fits, _ = load_table("06_dose_threshold")
+    marks, _ = load_table("06_dose_references")
+    rows = [[r["config"], f"{r['seq_exact_kl']:.2g} ± {r['seq_exact_kl se']:.1g}", f"{r['exact_kl']:.3g}",
+             f"{r['acc_first']:.3f} → {r['acc_peak']:.3f} → {r['acc_last']:.3f} ± {r['acc_last se']:.3f}",
+             f"{r['acc_worst_after_peak']:.3f} ± {r['acc_worst_after_peak se']:.3f}",
+             f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}"] for _, r in arms.iterrows()]
+    header = ["arm", "mismatch per response (nats)", "exact KL (1e-4/token)", "accuracy start → peak → final (± se)",
+              "worst after peak", "degraded", "diverged at once"]
+    fit = {(r["kind"], bool(r["tis"]), r["outcome"]): r.to_dict() | dict(y=r["outcome"]) for _, r in fits.iterrows()}
+    both, tis_on = fit[("both", False, "acc_last")], fit[("both", True, "acc_last")]
+    lines = [dose_response.threshold_sentence(both, "Both kinds pooled, without TIS"),
+             dose_response.threshold_sentence(tis_on, "Both kinds pooled, with TIS"),
+             dose_response.tis_sentence(both, tis_on)]
+    lines += [dose_response.threshold_sentence(fit[(kind, tis, "acc_last")], f"{dose_response.KIND_LABELS[kind]} only, "
+                                               f"{'with' if tis else 'without'} TIS") for kind in ("bits", "noise") for tis in (False, True)]
+    lines += [dose_response.position_sentence(m.to_dict(), both) for _, m in marks.iterrows()]
+    return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
+                          source("06_dose_arms", meta) + " " + source("06_dose_threshold", load_table("06_dose_threshold")[1])])
+
+
 def block_grpo_step() -> str:
     parts = []
     for name, label in [("bench_grpo_step_bf16", "default BF16"), ("bench_grpo_step_fp32", "FP32 control")]:
@@ -414,6 +437,7 @@ BLOCKS = {
     "clustering": block_clustering,
     "overhead": measured_by("make bench", block_overhead),
     "grpo-sweep": block_grpo_sweep,
+    "dose-response": block_dose_response,
     "grpo-step": measured_by("make bench", block_grpo_step),
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),
     "isa-spread": block_isa_spread,

@@ -46,6 +46,35 @@ def test_generation_logprobs_equal_scoring_logprobs(compiled_engine):
         assert s.text == compiled_engine.tokenizer.decode(s.response_ids, skip_special_tokens=True)
 
 
+def test_full_sampling_distributions_and_logit_noise(compiled_engine):
+    """sample(full=True) returns each position's whole sampling distribution, changing nothing else; logit noise
+    of sigma shifts every logit by an independent N(0, sigma^2) draw, reproducibly and whatever the batch."""
+    plain = compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=21)
+    full = compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=21, full=True)
+    flat = lambda g: [(s.response_ids, s.logprobs.tolist()) for grp in g for s in grp]
+    assert flat(plain) == flat(full) and all(s.full is None for g in plain for s in g)
+    for s in (s for g in full for s in g):
+        np.testing.assert_array_equal(s.full[np.arange(len(s.response_ids)), s.response_ids], s.logprobs)
+        np.testing.assert_allclose(np.exp(s.full).sum(-1), 1.0, atol=1e-5)
+    sigma = 0.5
+    noisy = compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=21, full=True, logit_noise=sigma)
+    assert flat(noisy) == flat(compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=21, full=True, logit_noise=sigma))
+    alone = compiled_engine.sample(PROMPTS[3:4], n=2, max_tokens=24, seed=21 + 3, full=True, logit_noise=sigma)
+    assert flat(alone) == flat(noisy[3:4])  # the noise depends on the request, not on the batch
+    assert flat(noisy) != flat(full)
+    # against the clean distribution at the same prefixes: log p_noisy - log p_clean = sigma z - (a constant per
+    # position), so its spread over the 16 entries estimates sigma (n = positions x 15 degrees of freedom: the
+    # estimate's own relative se is under 2% here, so +-15% is a wide margin that still tells 0.5 from 0.4 or 0.6)
+    samples = [s for g in noisy for s in g]
+    clean = compiled_engine.score([s.ids for s in samples], full_vocab=True)
+    d = np.concatenate([s.full - c.full[s.response_start:] for s, c in zip(samples, clean)])
+    d = d - d.mean(-1, keepdims=True)
+    estimate = np.sqrt((d**2).sum() / (d.shape[0] * (d.shape[1] - 1)))
+    assert abs(estimate / sigma - 1) < 0.15, estimate
+    with pytest.raises(ValueError, match="standard deviation"):
+        compiled_engine.sample(PROMPTS[:1], logit_noise=-1.0)
+
+
 def test_engine_and_training_side_disagree_slightly(compiled_engine):
     """The project's premise, on the embedded model: same BF16 weights, close but different logprobs."""
     samples = [s for g in compiled_engine.sample(PROMPTS, n=4, max_tokens=24, seed=1) for s in g]

@@ -131,6 +131,7 @@ def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
         grpo.run(grpo.GRPOConfig(regions=("rope",), **(TINY | dict(steps=2))), tmp_path / "resumed", engine=compiled_engine, progress=False)
         resumed = grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
         pd.testing.assert_frame_equal(full.drop(columns=TIMING), resumed.drop(columns=TIMING))
+        assert full["exact_kl"].iloc[1:].notna().all()  # small vocabulary: the exact KL is logged
         assert full["step"].tolist() == [0, 1, 2, 3, 4] and full["eval_accuracy"].notna().sum() == 3  # step 0: before training
         a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["master"]
         b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["master"]
@@ -140,6 +141,12 @@ def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
         assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], load_model("qwen3-tiny", dtype="float32").state_dict()["model.layers.0.mlp.up_proj.weight"])
         with pytest.raises(ValueError, match="different settings"):
             grpo.run(grpo.GRPOConfig(**TINY), tmp_path / "full", engine=compiled_engine, progress=False)
+        # a run started before a setting existed (absent from its config.json) resumes: it ran with the default
+        config = json.loads((tmp_path / "full" / "config.json").read_text())
+        del config["rollout_logit_noise"], config["task"]
+        (tmp_path / "full" / "config.json").write_text(json.dumps(config))
+        again = grpo.run(cfg, tmp_path / "full", engine=compiled_engine, progress=False)
+        pd.testing.assert_frame_equal(full.drop(columns=TIMING), again.drop(columns=TIMING))
     finally:
         compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
 
@@ -170,3 +177,58 @@ def test_run_names_keep_plain_configurations_and_key_the_engine_schedule():
     a = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "fp32"}))
     b = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "flash"}))
     assert a.startswith("engine_schedule-") and a != b
+
+
+@pytest.mark.engine
+def test_dose_run_interrupted_mid_run_resumes_identically(compiled_engine, tmp_path, monkeypatch):
+    """A dose arm (logit noise in the engine, TIS) killed in the middle of step 3, one step after its last
+    checkpoint, resumes from that checkpoint and ends bit for bit where an uninterrupted run does."""
+    cfg = grpo.GRPOConfig(rollout_logit_noise=0.3, tis_cap=2.0, **TINY)
+    try:
+        full = grpo.run(cfg, tmp_path / "full", engine=compiled_engine, progress=False)
+        step = grpo.train_step
+
+        def crash_at_step_3(cfg, n, *args):
+            if n == 3:
+                raise KeyboardInterrupt("killed")
+            return step(cfg, n, *args)
+
+        monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
+        with pytest.raises(KeyboardInterrupt):
+            grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
+        monkeypatch.setattr(grpo, "train_step", step)
+        resumed = grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))
+    pd.testing.assert_frame_equal(full.drop(columns=TIMING), resumed.drop(columns=TIMING))
+    h = full[full["step"] > 0]
+    # per response: the exact KL summed over the response, averaged; nats (exact_kl is per token, in 1e-4)
+    assert (h["seq_exact_kl"] > 0).all() and (h["seq_k3"] > 0).all()
+    np.testing.assert_allclose(h["seq_exact_kl"], h["exact_kl"] * 1e-4 * h["response_len"], rtol=1e-9)
+
+
+@pytest.mark.engine
+def test_run_many_keeps_going_past_a_failed_run(compiled_engine, tmp_path, monkeypatch):
+    """One bad run of a sweep (here: a folder holding another run's settings) is reported and the next runs."""
+    class Shared:  # the session's engine, never closed by run_many
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):
+            return getattr(compiled_engine, name)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(grpo, "Engine", Shared)
+    cfg = grpo.GRPOConfig(**(TINY | dict(steps=1, eval_every=1, checkpoint_every=1)))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"lr": 1.0}))
+    try:
+        out = list(grpo.run_many([(cfg, tmp_path / "bad"), (cfg, tmp_path / "good")], progress=False, keep_going=True))
+        with pytest.raises(ValueError, match="different settings"):
+            list(grpo.run_many([(cfg, tmp_path / "bad")], progress=False))
+    finally:
+        compiled_engine.load_weights(load_model("qwen3-tiny"))
+    assert isinstance(out[0][2], ValueError) and "different settings" in str(out[0][2])
+    assert isinstance(out[1][2], pd.DataFrame) and (tmp_path / "good" / "history.csv").exists()

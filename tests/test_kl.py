@@ -219,3 +219,19 @@ def test_tokens_to_separate_grows_with_correlated_copies():
     indep_b = [x - 0.3 + rng.normal(0, 1.0, len(x)) for x in indep_a]
     assert kl.tokens_to_separate(indep_a, indep_b, clusters=np.arange(800)) < need_copies
     assert kl.tokens_to_separate(single_a, single_a) == float("inf")
+
+
+def test_summary_exact_kl_per_sequence_sums_each_response():
+    from rla_lib.kl import exact_terms, mismatch_summary
+
+    rng = np.random.default_rng(0)
+    lengths = [3, 5, 1]
+    inf_full = [np.log(rng.dirichlet(np.ones(6), size=n)) for n in lengths]
+    train_full = [np.log(rng.dirichlet(np.ones(6), size=n)) for n in lengths]
+    tokens = [rng.integers(0, 6, n) for n in lengths]
+    inf_lp = [f[np.arange(len(t)), t] for f, t in zip(inf_full, tokens)]
+    train_lp = [f[np.arange(len(t)), t] for f, t in zip(train_full, tokens)]
+    s = mismatch_summary(inf_lp, train_lp, inf_full, train_full)
+    per_response = [exact_terms(p, q).sum() for p, q in zip(inf_full, train_full)]
+    assert s["exact_kl_per_sequence"] == pytest.approx(np.mean(per_response), rel=1e-12)
+    assert s["exact_kl"] == pytest.approx(np.sum(per_response) / sum(lengths), rel=1e-12)

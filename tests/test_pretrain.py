@@ -20,6 +20,14 @@ def test_pretrain_is_reproducible_and_writes_a_loadable_model(tmp_path):
 
 
 def test_shipped_models_record_how_they_were_trained():
-    for name in ("qwen3-tiny", "qwen2-tiny"):
+    for name in ("qwen3-tiny", "qwen2-tiny", "qwen3-tiny-steps"):
         meta = json.loads((resolve_model(name).path / "training.json").read_text())
         assert meta["steps"] > 0 and meta["parameters"] > 1e6
+    assert meta["task_name"] == "steps" and meta["schedule"]["init"] == "qwen3" and meta["task"]["format"] == "steps"
+
+
+def test_long_answer_model_starts_from_qwen3_tiny_with_a_longer_context(tmp_path):
+    pretrain.main(["--arch", "qwen3-steps", "--steps", "2", "--eval-size", "4", "--out", str(tmp_path)])
+    spec = resolve_model(str(tmp_path / "qwen3-tiny-steps"))
+    assert spec.architecture == "Qwen3ForCausalLM" and spec.max_position_embeddings == 160
+    assert json.loads((spec.path / "training.json").read_text())["task"]["format"] == "steps"

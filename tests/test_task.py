@@ -1,5 +1,7 @@
 import random
 
+import numpy as np
+
 import pytest
 
 from rla_lib import task
@@ -63,3 +65,23 @@ def test_shipped_tokenizer_matches_builder():
     assert shipped.encode(text) == built.encode(text)
     assert shipped.decode(shipped.encode(text) + [shipped.eos_token_id], skip_special_tokens=True) == text
 
+
+
+def test_long_answer_variant_writes_every_addition():
+    p = task.Problem((47, 38, 9), "steps")
+    assert p.prompt == "47+38+9=" and p.solution == "47+38=85 85+9=94" and p.answer == 94
+    assert task.reward(p, p.solution) == 1.0
+    assert task.reward(p, "47+38=85 85+9=95") == 0.0
+    assert task.reward(p, "47+38=85 94") == 1.0  # the last number is the answer, as in the short format
+    assert task.reward(task.Problem((47, 38, 9)), "47+38=85 85+9=94") == 0.0  # the short format has no "="
+    problems = task.make_split(3, 300, task.TASKS["steps"])
+    lengths = [len(p.solution) + 1 for p in problems]  # one token per character, plus end-of-text
+    assert 30 <= min(lengths) and max(lengths) <= 100 and 50 <= np.median(lengths) <= 80
+    assert all(p.format == "steps" and task.reward(p, p.solution) == 1.0 for p in problems)
+    with pytest.raises(ValueError, match="format"):
+        task.TaskConfig(format="words")
+
+
+def test_shipped_long_answer_split_matches_generator():
+    shipped = task.load_split(task.eval_split_path("steps"))
+    assert shipped == task.make_split(task.EVAL_SPLIT_SEED, task.EVAL_SPLIT_SIZE, task.TASKS["steps"])

@@ -1,0 +1,249 @@
+"""The dose-response study: how much train/inference mismatch does uncorrected GRPO tolerate?
+
+    runs = run_table(histories)                 # one row per run: its dose, measured mismatch and outcome
+    arms = arm_table(runs)                      # one row per arm: mean and se over seeds
+    fit = threshold(runs[~runs.tis])            # where accuracy starts to fall, with a bootstrap CI
+    dose_verdict(runs, fits, references)        # the sentences, computed from the numbers
+
+The dose is applied on the rollout side only (`grpo.dose_configurations`: coarser rollout weights, or logit
+noise in the engine's sampler); the trained policy stays BF16. The x axis is what the run *measured*, not the
+knob: the mismatch per response, the exact KL(inference || training) summed over each response's tokens and
+averaged over the run's steps (`seq_exact_kl`, nats; `seq_k3` is the k3 estimate of the same sum). Per-response,
+because that is what a sequence-level importance ratio sees and what grows with response length.
+
+Outcomes are the trained policy's held-out accuracy (`eval_accuracy_policy`: with coarse rollouts the
+engine's copy is not the policy). Per run: first, peak, final, and worst after the peak; `degraded` / `diverged`
+as `stability.accuracy_verdict` defines them (a drop beyond NOISE_Z binomial standard errors of the
+evaluations compared).
+
+The threshold is a breakpoint fit over runs: accuracy = a for log10(mismatch) <= t, a - b (log10(mismatch) - t)
+above, b >= 0 (a "hockey stick"), least squares with t on a grid spanning the dosed runs. Its 95% CI comes from
+resampling seeds within each arm (2000 bootstrap fits). Where the best fit has no fall (b = 0), or the fall
+is within noise, there is no threshold inside the tested range and the verdict says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
+from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems
+
+KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
+KIND_LABELS = {"none": "default BF16", "bits": "coarse rollout weights", "noise": "logit noise",
+               "aligned": "aligned training side", "fp32": "FP32 both sides"}
+
+
+def arm_of(config: str) -> dict:
+    """What an arm's name stands for: dose kind, dose (mantissa bits or noise sigma), TIS on or off."""
+    settings = (CONFIGURATIONS | dose_configurations()).get(config)
+    if settings is None and config != ENGINE_SCHEDULE:
+        raise ValueError(f"unknown arm {config!r}")
+    settings = settings or {}
+    if settings.get("precision") == "fp32":
+        kind, dose = "fp32", np.nan
+    elif config == ENGINE_SCHEDULE or settings.get("regions"):
+        kind, dose = "aligned", np.nan
+    elif settings.get("rollout_mantissa_bits") is not None:
+        kind, dose = "bits", float(settings["rollout_mantissa_bits"])
+    elif settings.get("rollout_logit_noise"):
+        kind, dose = "noise", float(settings["rollout_logit_noise"])
+    else:
+        kind, dose = "none", np.nan
+    return dict(kind=kind, dose=dose, tis=settings.get("tis_cap") is not None, base=config.removesuffix(TIS))
+
+
+def _policy_accuracy(history: pd.DataFrame) -> pd.DataFrame:
+    col = "eval_accuracy_policy" if history.get("eval_accuracy_policy", pd.Series(dtype=float)).notna().any() \
+        else "eval_accuracy"
+    return history.dropna(subset=[col])[["step", col]].rename(columns={col: "accuracy"})
+
+
+def run_outcome(history: pd.DataFrame, eval_prompts: int | None = None) -> dict:
+    """One run: its measured mismatch (means over steps) and its policy's held-out accuracy outcomes."""
+    n = eval_problems(history, eval_prompts)
+    ev = _policy_accuracy(history)
+    h = history[history["step"] > 0]
+    verdict = accuracy_verdict(ev["step"], ev["accuracy"], n)
+    after_peak = ev[ev["step"] >= verdict["peak_step"]]["accuracy"]
+    return dict(
+        seq_exact_kl=h["seq_exact_kl"].mean(), seq_k3=h["seq_k3"].mean(), exact_kl=h["exact_kl"].mean(),
+        k3=h["k3"].mean(), response_len=h["response_len"].mean(), steps=int(h["step"].max()),
+        acc_first=ev["accuracy"].iloc[0], acc_peak=ev["accuracy"].max(), peak_step=verdict["peak_step"],
+        acc_last=ev["accuracy"].iloc[-1], acc_worst_after_peak=after_peak.min(), eval_prompts=n,
+        degraded=verdict["degraded"], diverged=verdict["diverged"], margin=verdict["margin"])
+
+
+def run_table(histories: pd.DataFrame, eval_prompts: int | None = None) -> pd.DataFrame:
+    """One row per run of stacked histories (columns `run`, `config`, `seed`, and the study's per-step columns)."""
+    rows = []
+    for run, h in histories.groupby("run", sort=False):
+        config = h["config"].iloc[0]
+        rows.append(dict(run=run, config=config, seed=int(h["seed"].iloc[0]), **arm_of(config),
+                         **run_outcome(h, eval_prompts)))
+    return pd.DataFrame(rows)
+
+
+def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per arm, in the order arms first appear: mean and standard error over seeds, and how many seeds
+    degraded or diverged. Accuracy se is over seeds (training randomness and evaluation noise together)."""
+    metrics = ["seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len", "acc_first", "acc_peak", "acc_last",
+               "acc_worst_after_peak"]
+    g = runs.groupby("config", sort=False)
+    out = g[["kind", "dose", "tis", "base"]].first()
+    for m in metrics:
+        out[m], out[m + " se"] = g[m].mean(), g[m].sem()
+    out["seeds"], out["degraded"], out["diverged"] = g.size(), g["degraded"].sum().astype(int), g["diverged"].sum().astype(int)
+    out["eval se"] = binomial_se(out["acc_last"], int(runs["eval_prompts"].iloc[0]))
+    return out.reset_index()
+
+
+# ---- the threshold -------------------------------------------------------------------------------------
+def fit_runs(runs: pd.DataFrame, kind: str = "both", tis: bool = False) -> pd.DataFrame:
+    """The runs of one fit: the doses of `kind` ("bits", "noise" or "both") with or without TIS, default BF16 with the
+    same TIS setting, and the zero-mismatch arms (aligned, FP32: TIS changes nothing there) as the low anchor."""
+    kinds = ["bits", "noise"] if kind == "both" else [kind]
+    dosed = runs["kind"].isin(kinds + ["none"]) & (runs["tis"] == tis)
+    return runs[dosed | runs["kind"].isin(["aligned", "fp32"])]
+
+
+def fit_table(runs: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
+    """Every fit the study reports: each dose kind (and both pooled) x TIS off / on x final / worst-after-peak."""
+    rows = []
+    for kind in ("both", "bits", "noise"):
+        for tis in (False, True):
+            for y in ("acc_last", "acc_worst_after_peak"):
+                fit = threshold(fit_runs(runs, kind, tis), y=y, n_boot=n_boot)
+                rows.append(dict(kind=kind, tis=tis, outcome=y, **{k: v for k, v in fit.items() if k != "y"}))
+    return pd.DataFrame(rows)
+
+
+def _hockey_stick(x, y, grid):
+    """Best (sse, t, a, b) of y = a - b * max(0, x - t), b >= 0, over breakpoints t in grid (all t at once)."""
+    hinge = np.maximum(0.0, x[None, :] - grid[:, None])  # (breakpoints, runs)
+    hc = hinge - hinge.mean(1, keepdims=True)
+    var = (hc**2).sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        b = np.where(var > 0, -(hc * (y - y.mean())).sum(1) / var, 0.0)
+    b = np.maximum(b, 0.0)  # a rise with mismatch is no threshold: the flat fit
+    a = y.mean() + b * hinge.mean(1)
+    sse = ((y[None, :] - (a[:, None] - b[:, None] * hinge)) ** 2).sum(1)
+    i = int(np.argmin(np.round(sse, 15)))  # the first (lowest) breakpoint among equal fits
+    return float(sse[i]), float(grid[i]), float(a[i]), float(b[i])
+
+
+def threshold(runs: pd.DataFrame, x: str = "seq_exact_kl", y: str = "acc_last", n_boot: int = 2000, seed: int = 0,
+              level: float = 0.95, grid_points: int = 121) -> dict:
+    """Where `y` starts to fall with the mismatch `x` (log10 scale), over the runs given (one TIS setting).
+
+    Returns the breakpoint (`threshold`, in x's units) and its bootstrap CI, the fitted fall per decade beyond it
+    (`slope`), the fitted fall at the largest dose (`fall_at_max`) against the margin a fall must exceed to count
+    (`margin`: NOISE_Z-style, two binomial standard errors of a difference of two accuracies), and `found`: whether
+    the fall at the largest dose exceeds the margin. The CI resamples seeds within each arm.
+    """
+    runs = runs[np.isfinite(runs[x]) & (runs[x] > 0) & np.isfinite(runs[y])]
+    if runs["config"].nunique() < 3:  # a breakpoint and a slope need at least three arms
+        return dict(x=x, y=y, runs=len(runs), fitted=False, found=False, threshold=np.nan, ci_low=np.nan, ci_high=np.nan, slope=0.0,
+                    plateau=float(runs[y].mean()), fall_at_max=0.0, margin=np.nan,
+                    max_tested=float(runs[x].max()) if len(runs) else np.nan, share_without_fall=np.nan)
+    lx, acc = np.log10(runs[x].to_numpy(float)), runs[y].to_numpy(float)
+    dosed = runs["kind"].isin(["bits", "noise"]).to_numpy()
+    grid = np.linspace(lx[dosed].min() if dosed.any() else lx.min(), lx.max(), grid_points)
+    _, t, a, b = _hockey_stick(lx, acc, grid)
+    n = int(runs["eval_prompts"].iloc[0])
+    margin = float(NOISE_Z * np.sqrt(2) * binomial_se(a, n))
+    fall = b * max(0.0, lx.max() - t) if np.isfinite(t) else 0.0
+    found = bool(b > 0 and fall > margin)
+    groups = [np.flatnonzero(runs["config"].to_numpy() == c) for c in dict.fromkeys(runs["config"])]
+    rng = np.random.default_rng(seed)
+    boot = []
+    for _ in range(n_boot):
+        idx = np.concatenate([rng.choice(g, len(g)) for g in groups])
+        _, tb, _, bb = _hockey_stick(lx[idx], acc[idx], grid)
+        fell = bb > 0 and bb * max(0.0, lx.max() - tb) > margin
+        boot.append(tb if fell else np.inf)  # no fall beyond noise in this resample: beyond the tested range
+    boot = np.array(boot)
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2], method="inverted_cdf")  # no interpolation with inf
+    return dict(x=x, y=y, runs=len(runs), fitted=True, found=found, threshold=10**t if found else np.nan,
+                ci_low=10**lo if found else np.nan, ci_high=10**hi if found and np.isfinite(hi) else np.inf if found else np.nan,
+                slope=float(b), plateau=float(a), fall_at_max=float(fall), margin=margin, max_tested=float(10 ** lx.max()),
+                share_without_fall=float(np.mean(~np.isfinite(boot))))
+
+
+# ---- reference marks -----------------------------------------------------------------------------------
+def reference_marks(runs: pd.DataFrame, steps_runs: pd.DataFrame | None, real_shape_kl: dict | None,
+                    lengths=(1000, 8000)) -> list[dict]:
+    """Per-response mismatch of default BF16 where it was measured, and what the paper's setting implies.
+
+    real_shape_kl: dict(value=..., ci_low=..., ci_high=...) per-token exact KL in nats of stock BF16 Transformers
+    against compiled vLLM at the Qwen3-0.6B shape (notebook 02's real-shape table); times response `lengths`.
+    """
+    marks = []
+    for label, table in (("default BF16, embedded model (short answers)", runs),
+                         ("default BF16, embedded model (long answers)", steps_runs)):
+        if table is None or not len(table):
+            continue
+        bf16 = table[(table["kind"] == "none") & ~table["tis"]]
+        if len(bf16):
+            marks.append(dict(label=label, value=bf16["seq_exact_kl"].mean(), low=bf16["seq_exact_kl"].min(),
+                              high=bf16["seq_exact_kl"].max(), tokens=bf16["response_len"].mean()))
+    if real_shape_kl:
+        marks.append(dict(label=f"paper-like: Qwen3-0.6B-shape per-token KL x {lengths[0]:,}-{lengths[1]:,} tokens",
+                          value=real_shape_kl["value"] * np.sqrt(lengths[0] * lengths[1]),
+                          low=real_shape_kl["ci_low"] * lengths[0], high=real_shape_kl["ci_high"] * lengths[1],
+                          tokens=float(np.sqrt(lengths[0] * lengths[1]))))
+    return marks
+
+
+# ---- the verdict ---------------------------------------------------------------------------------------
+def _fmt(x: float) -> str:
+    return "inf" if not np.isfinite(x) else f"{x:.2g}"
+
+
+OUTCOMES = {"acc_last": "final accuracy", "acc_worst_after_peak": "the worst accuracy after the peak"}
+
+
+def threshold_sentence(fit: dict, label: str) -> str:
+    outcome = OUTCOMES.get(fit.get("y"), "accuracy")
+    if not fit.get("fitted", True):
+        return f"{label}: too few arms to fit a threshold ({fit['runs']} runs)."
+    if not fit["found"]:
+        return (f"{label}: no threshold within the tested range: {outcome} does not fall by more than the noise "
+                f"margin ({fit['margin']:.3f}) up to {_fmt(fit['max_tested'])} nats per response "
+                f"(fitted fall at the largest dose {fit['fall_at_max']:.3f}; {fit['runs']} runs).")
+    shaky = fit["share_without_fall"] > 0.025  # the CI's upper end is "no fall at all"
+    return (f"{label}: {outcome} starts to fall at {_fmt(fit['threshold'])} nats per response "
+            f"(95% CI {_fmt(fit['ci_low'])} to {_fmt(fit['ci_high'])}), then loses {fit['slope']:.3f} per tenfold "
+            f"more mismatch ({fit['fall_at_max']:.3f} at the largest dose, beyond the noise margin {fit['margin']:.3f}; "
+            f"{fit['runs']} runs)" + (f"; not established: {fit['share_without_fall']:.0%} of seed resamples show no fall "
+                                      "beyond noise." if shaky else "."))
+
+
+def tis_sentence(without: dict, with_tis: dict) -> str:
+    if not (without.get("fitted", True) and with_tis.get("fitted", True)):
+        return "Whether TIS moves the threshold needs both fits (too few arms in one of them)."
+    if without["found"] and with_tis["found"]:
+        overlap = without["ci_low"] <= with_tis["ci_high"] and with_tis["ci_low"] <= without["ci_high"]
+        ratio = with_tis["threshold"] / without["threshold"]
+        return (f"TIS moves the threshold by a factor {ratio:.2g} ({'within' if overlap else 'beyond'} the two CIs' "
+                f"overlap: {'not shown to move it' if overlap else 'it moves it'}).")
+    if without["found"] and not with_tis["found"]:
+        return ("With TIS no fall beyond noise is left in the tested range, where without it accuracy falls: "
+                "TIS moves the threshold past the largest dose tested.")
+    if with_tis["found"] and not without["found"]:
+        return "Only the TIS runs fall beyond noise in the tested range: TIS does not help here."
+    return "Neither with nor without TIS does final accuracy fall beyond noise in the tested range."
+
+
+def position_sentence(mark: dict, fit: dict) -> str:
+    edge = fit["threshold"] if fit["found"] else fit["max_tested"]
+    if fit["found"] and np.isfinite(fit["ci_low"]):
+        factor = fit["ci_low"] / mark["value"]
+        where = (f"{factor:.2g}x below the threshold's lower CI bound" if factor > 1
+                 else f"inside or above the threshold's CI (its lower bound is {_fmt(fit['ci_low'])})")
+    else:
+        factor = edge / mark["value"]
+        where = (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which {OUTCOMES.get(fit.get('y'), 'accuracy')} "
+                 "did not fall beyond the noise margin" if factor > 1 else f"beyond the tested range (up to {_fmt(edge)})")
+    return f"{mark['label']}: {_fmt(mark['value'])} nats per response ({mark['tokens']:.0f} tokens), {where}."

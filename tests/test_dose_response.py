@@ -1,0 +1,69 @@
+"""The dose-response study's reading: arms, per-run outcomes, the threshold fit and its verdicts."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rla_lib import dose_response as dr
+from rla_lib.grpo import ENGINE_SCHEDULE
+
+
+def test_arms_are_read_from_their_names():
+    assert dr.arm_of("default BF16") == dict(kind="none", dose=pytest.approx(np.nan, nan_ok=True), tis=False, base="default BF16")
+    assert dr.arm_of("default BF16, 2-bit rollouts + TIS") | {"dose": 2.0} == dict(
+        kind="bits", dose=2.0, tis=True, base="default BF16, 2-bit rollouts")
+    assert dr.arm_of("default BF16, logit noise 0.3")["kind"] == "noise" and dr.arm_of("default BF16, logit noise 0.3")["dose"] == 0.3
+    assert dr.arm_of("FP32 control")["kind"] == "fp32"
+    assert dr.arm_of("all three")["kind"] == dr.arm_of(ENGINE_SCHEDULE)["kind"] == "aligned"
+    with pytest.raises(ValueError, match="unknown arm"):
+        dr.arm_of("default BF16, 9-bit rollouts")
+
+
+def history(accuracies, seq_kl=0.01, eval_prompts=512, every=25, policy=None):
+    steps = np.arange(0, every * (len(accuracies) - 1) + 1)
+    h = pd.DataFrame(dict(step=steps, eval_prompts=eval_prompts, eval_accuracy=np.nan, eval_accuracy_policy=np.nan,
+                          seq_exact_kl=seq_kl, seq_k3=seq_kl, exact_kl=seq_kl / 7e-4, k3=seq_kl / 7e-4, response_len=7.0))
+    h.loc[h["step"] % every == 0, "eval_accuracy"] = accuracies
+    h.loc[h["step"] % every == 0, "eval_accuracy_policy"] = policy if policy is not None else accuracies
+    h.loc[0, ["seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len"]] = np.nan  # step 0 has no training step
+    return h
+
+
+def test_run_outcome_reads_the_policy_accuracy_and_worst_after_peak():
+    o = dr.run_outcome(history([0.5, 0.6, 0.7, 0.55, 0.58], seq_kl=0.02))
+    assert (o["acc_first"], o["acc_peak"], o["peak_step"], o["acc_last"], o["acc_worst_after_peak"]) == (0.5, 0.7, 50, 0.58, 0.55)
+    assert o["seq_exact_kl"] == pytest.approx(0.02) and o["degraded"] and not o["diverged"]  # 0.12 > 2 se (~0.06)
+    coarse = dr.run_outcome(history([0.5, 0.6, 0.6], policy=[0.5, 0.4, 0.3]))  # the engine's copy is not the policy
+    assert coarse["acc_last"] == 0.3 and coarse["diverged"]
+
+
+def synthetic_runs(breakpoint, fall_per_decade, seeds=3, noise=0.01, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    doses = {"FP32 control": 1e-9, "default BF16": 1e-3, "default BF16, logit noise 0.1": 3e-3,
+             **{f"default BF16, {b}-bit rollouts": x for b, x in zip((3, 2, 1), (3e-2, 1e-1, 5e-1))}}
+    for config, x in doses.items():
+        for s in range(seeds):
+            acc = 0.6 - fall_per_decade * max(0.0, np.log10(x) - np.log10(breakpoint)) + noise * rng.standard_normal()
+            rows.append(dict(run=f"{config}-{s}", config=config, seed=s, **dr.arm_of(config), seq_exact_kl=x, acc_last=acc,
+                             eval_prompts=512))
+    return pd.DataFrame(rows)
+
+
+def test_threshold_finds_a_planted_breakpoint_and_its_ci_covers_it():
+    fit = dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2), n_boot=300)
+    # the doses bracket the breakpoint (3e-3 flat, 3e-2 fallen): the fit places it within a factor 1.5
+    assert fit["found"] and fit["ci_low"] <= fit["threshold"] <= fit["ci_high"] and 1e-2 / 1.5 < fit["threshold"] < 1e-2 * 1.5
+    assert fit["slope"] == pytest.approx(0.2, rel=0.25) and fit["share_without_fall"] == 0
+    assert "starts to fall at" in dr.threshold_sentence(fit, "Without TIS")
+
+
+def test_no_threshold_when_accuracy_does_not_fall_beyond_noise():
+    fit = dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.0), n_boot=300)
+    assert not fit["found"] and np.isnan(fit["threshold"]) and fit["fall_at_max"] <= fit["margin"]
+    assert "no threshold within the tested range" in dr.threshold_sentence(fit, "With TIS")
+    found = dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2), n_boot=300)
+    assert "past the largest dose" in dr.tis_sentence(found, fit)
+    mark = dict(label="BF16", value=1e-3, tokens=7)
+    assert "below the threshold's lower CI bound" in dr.position_sentence(mark, found)
+    assert "below the largest mismatch tested" in dr.position_sentence(mark, fit)

@@ -1,0 +1,54 @@
+"""experiments/grpo_sweep.py: workers share one list of runs through a lock per run folder."""
+
+import importlib.util
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rla_lib import dose_response
+from rla_lib.paths import ROOT
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("grpo_sweep", ROOT / "experiments" / "grpo_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workers_share_the_list_and_a_dead_workers_run_is_taken_over(sweep, tmp_path):
+    runs = [(f"cfg{i}", tmp_path / f"run{i}") for i in range(3)]
+    a, b = sweep.claimed(runs), sweep.claimed(runs)
+    assert next(a)[1].name == "run0"          # worker A runs run0 ...
+    assert next(b)[1].name == "run1"          # ... so worker B skips it
+    assert next(a)[1].name == "run2"          # A is done with run0 (lock released) and skips B's run1
+    assert list(b) == []                      # B done with run1: run2 is A's (held), nothing is left for B
+    # a worker killed while it holds a run leaves it to the next worker
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, time
+f = open({str(tmp_path / 'run0' / 'claim.lock')!r}, 'w')
+fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print('held', flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert [out.name for _, out in sweep.claimed(runs[:1])] == []  # held by a live process: skipped
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    assert [out.name for _, out in sweep.claimed(runs[:1])] == ["run0"]  # its lock died with it
+
+
+def test_the_study_grid_names_known_arms(sweep):
+    planned = list(sweep.planned_runs(only=["dose", "dose-steps"]))
+    assert len({run_id for run_id, *_ in planned}) == len(planned)
+    for run_id, labels, settings in planned:
+        arm = dose_response.arm_of(labels["config"])  # every arm has a kind the analysis knows
+        assert arm["tis"] == ("tis_cap" in settings and settings["tis_cap"] is not None)
+    kinds = {dose_response.arm_of(labels["config"])["kind"] for _, labels, _ in planned}
+    assert {"none", "bits", "noise", "fp32", "aligned"} <= kinds
