@@ -48,7 +48,6 @@ from .scoring import log_softmax_at
 MODES = ("compiled", "eager")
 
 
-
 def configure_environment() -> None:
     """Defaults vLLM needs on CPU; must run before `import vllm`. Existing settings win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM reserves 92% of RAM
