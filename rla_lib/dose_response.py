@@ -247,3 +247,22 @@ def position_sentence(mark: dict, fit: dict) -> str:
         where = (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which {OUTCOMES.get(fit.get('y'), 'accuracy')} "
                  "did not fall beyond the noise margin" if factor > 1 else f"beyond the tested range (up to {_fmt(edge)})")
     return f"{mark['label']}: {_fmt(mark['value'])} nats per response ({mark['tokens']:.0f} tokens), {where}."
+
+
+def fits_by_key(fits: pd.DataFrame) -> dict:
+    """A `fit_table` (or the table it was saved to) as {(kind, tis, outcome): fit}, each fit as `threshold` returns it."""
+    return {(r["kind"], bool(r["tis"]), r["outcome"]): r.to_dict() | dict(y=r["outcome"]) for _, r in fits.iterrows()}
+
+
+def verdict_lines(fits: pd.DataFrame, marks: list[dict], worst_after_peak: bool = False) -> list[str]:
+    """The study's verdict, computed: both kinds pooled without and with TIS, whether TIS moves the threshold, each
+    kind alone, (the worst-after-peak fit,) and where each reference mark sits against the pooled fit without TIS."""
+    fit = fits_by_key(fits)
+    both, tis_on = fit[("both", False, "acc_last")], fit[("both", True, "acc_last")]
+    lines = [threshold_sentence(both, "Both kinds pooled, without TIS"), threshold_sentence(tis_on, "Both kinds pooled, with TIS"),
+             tis_sentence(both, tis_on)]
+    lines += [threshold_sentence(fit[(kind, tis, "acc_last")], f"{KIND_LABELS[kind]} only, {'with' if tis else 'without'} TIS")
+              for kind in ("bits", "noise") for tis in (False, True)]
+    if worst_after_peak:
+        lines.append(threshold_sentence(fit[("both", False, "acc_worst_after_peak")], "Worst after peak, both kinds, without TIS"))
+    return lines + [position_sentence(m, both) for m in marks]

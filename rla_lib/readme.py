@@ -290,14 +290,7 @@ def block_dose_response() -> str:
              f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}"] for _, r in arms.iterrows()]
     header = ["arm", "mismatch per response (nats)", "exact KL (1e-4/token)", "accuracy start → peak → final (± se)",
               "worst after peak", "degraded", "diverged at once"]
-    fit = {(r["kind"], bool(r["tis"]), r["outcome"]): r.to_dict() | dict(y=r["outcome"]) for _, r in fits.iterrows()}
-    both, tis_on = fit[("both", False, "acc_last")], fit[("both", True, "acc_last")]
-    lines = [dose_response.threshold_sentence(both, "Both kinds pooled, without TIS"),
-             dose_response.threshold_sentence(tis_on, "Both kinds pooled, with TIS"),
-             dose_response.tis_sentence(both, tis_on)]
-    lines += [dose_response.threshold_sentence(fit[(kind, tis, "acc_last")], f"{dose_response.KIND_LABELS[kind]} only, "
-                                               f"{'with' if tis else 'without'} TIS") for kind in ("bits", "noise") for tis in (False, True)]
-    lines += [dose_response.position_sentence(m.to_dict(), both) for _, m in marks.iterrows()]
+    lines = dose_response.verdict_lines(fits, marks.to_dict("records"))
     return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
                           source("06_dose_arms", meta) + " " + source("06_dose_threshold", load_table("06_dose_threshold")[1])])
 
