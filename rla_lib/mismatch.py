@@ -35,7 +35,7 @@ from . import kl, sides, task
 from .align import ALL_REGIONS, REGIONS, AlignOptions, align
 from .engine import Engine
 from .exact_kl import exact_kl
-from .machine import machine, machine_key
+from .machine import bf16_matmul_mode, machine, machine_key
 from .models import load_model, resolve_model
 from .paths import RESULTS_DIR, atomic_write
 from .progress import bar
@@ -223,9 +223,11 @@ class MismatchRun:
 # ---- the two cache layers: sampled responses, then one file per scored side --------------------
 def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
                temperature: float, seed: int) -> dict:
-    """What the sampled responses depend on (the folder of every side scored on them)."""
-    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(), sampled_by=sampled_by, n_prompts=n_prompts,
-                n_samples=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    """What the sampled responses depend on (the folder of every side scored on them): the engine's machine, not the
+    training side's matmul mode (which keys each training side's file instead, `side_file`)."""
+    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(engine_only=True),
+                sampled_by=sampled_by, n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens,
+                temperature=temperature, seed=seed)
 
 
 def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
@@ -236,11 +238,14 @@ def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
 
 
 def side_file(folder: Path | None, dtype: str, regions=(), options=None) -> Path | None:
-    """The cache file of a training side: named by what it computes (dtype, canonical regions and options)."""
+    """The cache file of a training side: named by what it computes (dtype, canonical regions and options, and how
+    BF16 linear layers multiply: `machine.bf16_matmul_mode`)."""
     if folder is None:
         return None
     regions, options = canonical_config(regions, options)
-    digest = hashlib.sha1(json.dumps([dtype, regions, options], sort_keys=True).encode()).hexdigest()[:10]
+    matmul = bf16_matmul_mode() if dtype == "bfloat16" else None
+    digest = hashlib.sha1(json.dumps([dtype, regions, options] + ([matmul] if matmul != "native" else []),
+                                     sort_keys=True).encode()).hexdigest()[:10]
     return folder / f"hf-{dtype}-{config_name(regions)}-{digest}.npz"
 
 

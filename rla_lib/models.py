@@ -7,6 +7,7 @@ a local checkpoint directory and a hub name (where the hub is reachable) work un
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,19 @@ def available_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def concurrent_processes(models) -> int:
+    """How many engine processes (captures, measurement workers) rla_lib runs at once for `models`.
+
+    An engine start and compile is mostly single-threaded, so on two or more cores two overlap well; each holds
+    the KV cache (VLLM_CPU_KVCACHE_SPACE) and a copy of the model. So 2 for the small embedded models, 1 for
+    anything with a real vocabulary (a real checkpoint's engine can take most of the memory). Concurrency changes
+    no bit: every process keeps its own thread count. RLA_PROCESSES=<n> overrides (1: one at a time)."""
+    if "RLA_PROCESSES" in os.environ:
+        return max(1, int(os.environ["RLA_PROCESSES"]))
+    small = all(resolve_model(m).small_vocab for m in models)
+    return 2 if small and (os.cpu_count() or 1) >= 2 else 1
 
 
 def check_memory(spec: ModelSpec, bytes_per_parameter: float, what: str, advice: str) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +27,7 @@ import torch
 from . import graphs, machine, mismatch, sides
 from .align import REGIONS
 from .engine import bf16_linear
+from .models import concurrent_processes
 from .paths import RESULTS_DIR, atomic_write, slug
 
 MODES = ("compiled", "eager")
@@ -98,20 +100,27 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     (`machine.use_bf16_matmul`, what the lower levels use), labelled "<level>+fp32 matmul": whether a change between
     levels comes from the engine's kernels or from the training side's matmul."""
     levels = machine.resolve_levels(levels)
-    runs = [(level, level, {}) for level in levels]
+    processes = concurrent_processes(models)
+
+    def run(job) -> pd.DataFrame:
+        model, level, label, extra_env = job
+        out = _worker_output(model, label)
+        cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
+               "--params", json.dumps(params), "--threads", str(max(1, torch.get_num_threads() // processes))]
+        env = os.environ | machine.isa_environment(level) | extra_env | ({"RLA_PROCESSES": "1"} if processes > 1 else {})
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the {label} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return pd.DataFrame(json.loads(out.read_text())["rows"]).assign(level=label)
+
+    # Levels are independent processes, run side by side (`models.concurrent_processes`), each training side on its
+    # share of the cores (the thread count changes no bit of it; oversubscribed threads would wait on each other). The
+    # control comes after them: it reuses the first level's engine captures, samples and scores.
+    jobs = [[(model, level, level, {}) for level in levels for model in models]]
     if matmul_control:
-        runs.append((levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}))
-    frames = []
-    for level, label, extra_env in runs:
-        for model in models:
-            out = _worker_output(model, label)
-            cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
-                   "--params", json.dumps(params)]
-            env = os.environ | machine.isa_environment(level) | extra_env
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                raise RuntimeError(f"the {label} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            frames.append(pd.DataFrame(json.loads(out.read_text())["rows"]).assign(level=label))
+        jobs.append([(model, levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}) for model in models])
+    with ThreadPoolExecutor(processes) as pool:
+        frames = [frame for phase in jobs for frame in pool.map(run, phase)]
     return pd.concat(frames, ignore_index=True)
 
 
@@ -154,7 +163,10 @@ def main(argv=None):
     parser.add_argument("--level", required=True, choices=list(machine.ISA_LEVELS))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--params", default="{}", help="JSON keyword arguments of measure_here")
+    parser.add_argument("--threads", type=int, default=None, help="the training side's torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the engine's processes keep their own
     if machine.isa_level() != args.level:
         raise SystemExit(f"this process runs at {machine.isa_level()}, not {args.level}: start it with "
                          f"rla_lib.machine.isa_environment({args.level!r}) (spread.measure does)")

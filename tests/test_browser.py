@@ -93,16 +93,39 @@ def lab_server(tmp_path):
 
 def run_all(page, attempts=5):
     """Run > Run All Cells, again if no cell starts (the menu command stays disabled until the kernel is ready)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout  # installed where the browser tests run
+
     prompts = page.locator(f"{PANEL} .jp-CodeCell .jp-InputArea-prompt")
     for _ in range(attempts):
-        page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        dismiss_dialogs(page)
+        try:  # a dialog appearing now takes the click: dismiss it on the next attempt
+            page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text="Run").first.click(timeout=15_000)
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click(timeout=15_000)
+        except PlaywrightTimeout:
+            continue
         for _ in range(30):
             if any(t.strip() != "[ ]:" for t in prompts.all_inner_texts()):
                 return
             page.wait_for_timeout(1000)
         page.keyboard.press("Escape")
+    dismiss_dialogs(page)
     raise AssertionError(f"Run All Cells started no cell in {attempts} attempts")
+
+
+def dismiss_dialogs(page) -> None:
+    """Accept a modal dialog JupyterLab put up (e.g. the kernel choice when the kernel is slow to start under load):
+    it would take every click. What it said is printed, for the log of a run that fails later anyway."""
+    dialogs = page.locator(".jp-Dialog")
+    for _ in range(5):
+        if not dialogs.count():
+            return
+        print("JupyterLab dialog:", " ".join(dialogs.first.inner_text().split()))
+        accept = dialogs.first.locator(".jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        page.wait_for_timeout(500)
 
 
 def wait_for_run_all(page):

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rla_lib import kl, mismatch, task
+from rla_lib import graphs, kl, mismatch, task
 from rla_lib.engine import Sample
 
 
@@ -109,6 +109,22 @@ def test_side_files_are_named_by_what_they_compute(tmp_path):
     assert f("bfloat16", ("rope",), {"rope_cos_sin": "bf16"}) != f("bfloat16", ("rope",), {})
     assert f("bfloat16", (), {}) != f("float32", (), {})
     assert mismatch.side_file(None, "bfloat16", (), {}) is None
+
+
+def test_the_training_matmul_mode_keys_training_sides_not_the_engines_samples(tmp_path, monkeypatch):
+    """`RLA_BF16_MATMUL` changes only the training side: the engine's samples, scores and captures are shared (notebook
+    07's matmul control reuses them), while each BF16 training side gets a file per matmul mode."""
+    model_dir = mismatch.resolve_model("qwen3-tiny").path
+    found = {}
+    for mode in ("native", "fp32"):
+        monkeypatch.setenv("RLA_BF16_MATMUL", mode)
+        found[mode] = dict(samples=mismatch.sample_key(model_dir, "vllm:compiled", 4, 2, 8, 1.0, 0),
+                           bf16=mismatch.side_file(tmp_path, "bfloat16", ("rope",), {}),
+                           fp32=mismatch.side_file(tmp_path, "float32", (), {}),
+                           vllm=graphs.capture_dir("qwen3-tiny", "vllm", "compiled"), hf=graphs.capture_dir("qwen3-tiny", "hf", "compiled"))
+    native, fp32 = found["native"], found["fp32"]
+    assert native["samples"] == fp32["samples"] and native["vllm"] == fp32["vllm"] and native["fp32"] == fp32["fp32"]
+    assert native["bf16"] != fp32["bf16"] and native["hf"] != fp32["hf"]
 
 
 def test_load_or_score_side_scores_once_and_checks_the_tokens(tmp_path):

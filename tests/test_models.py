@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -87,3 +88,20 @@ def test_weight_folders_of_dead_processes_are_removed(tmp_path):
     (tmp_path / f"rla-weights-{os.getpid()}-def").mkdir()
     remove_orphaned_weights(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [f"rla-weights-{os.getpid()}-def"]
+
+
+def test_engine_processes_run_two_at_a_time_only_for_small_models(tmp_path, monkeypatch):
+    from rla_lib import models
+
+    monkeypatch.delenv("RLA_PROCESSES", raising=False)
+    monkeypatch.setattr(models.os, "cpu_count", lambda: 2)
+    assert models.concurrent_processes(["qwen3-tiny", "qwen2-tiny"]) == 2
+    big = tmp_path / "big"
+    shutil.copytree(EMBEDDED_MODELS["qwen3-tiny"], big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps(config | {"vocab_size": 151936}))  # a real vocabulary: one at a time
+    assert models.concurrent_processes(["qwen3-tiny", big]) == 1
+    monkeypatch.setattr(models.os, "cpu_count", lambda: 1)
+    assert models.concurrent_processes(["qwen3-tiny"]) == 1
+    monkeypatch.setenv("RLA_PROCESSES", "3")
+    assert models.concurrent_processes([big]) == 3

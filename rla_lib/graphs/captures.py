@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from .. import sides
 from ..engine import Engine
 from ..machine import machine, machine_key
-from ..models import load_model, resolve_model
+from ..models import concurrent_processes, load_model, resolve_model
 from ..paths import ROOT
 from ..progress import bar
 from .aten import AtenTracer, default_ids, training_graph
@@ -28,6 +29,7 @@ from .inductor import parse_output_code
 from .reader import AnalysisError, read_points
 
 SIDES = (sides.engine("compiled"), sides.engine("eager"), sides.HF_COMPILED, sides.STOCK)
+STOCK_SIDE = sides.STOCK  # traced in-process; every other side is captured (read_sides' argument shadows `sides`)
 _MATMUL_CALLS = ("onednn_mm", "extern_kernels.mm", "extern_kernels.addmm", "aten.mm", "weight_packed_linear")
 
 
@@ -154,8 +156,9 @@ def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
 def capture_dir(model, engine="vllm", mode="compiled") -> Path:
     spec = resolve_model(model)
     key = hashlib.sha1(str(spec.path).encode()).hexdigest()[:8]
-    # The kernels, and so the graph, depend on the machine (rla_lib.machine): one capture per machine.
-    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}-{machine_key()}"
+    # The kernels, and so the graph, depend on the machine (rla_lib.machine): one capture per machine. The engine's
+    # do not depend on the training side's matmul mode.
+    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}-{machine_key(engine_only=engine == 'vllm')}"
 
 
 def _capture_env(engine: str, out: Path) -> dict:
@@ -238,10 +241,23 @@ def side_graph(model, side: str, force: bool = False) -> Graph:
     subprocess, cached under results/graphs/captures) or 'hf:bf16:none', stock Transformers (traced in this process)."""
     if side == sides.STOCK:
         return training_graph(model)
+    engine, mode = _engine_and_mode(side)
+    return engine_graph(capture(model, mode, engine=engine, force=force), name=side)
+
+
+def _engine_and_mode(side: str) -> tuple[str, str]:
     engine, _, mode = side.partition(":")
     if engine not in ("vllm", "hf") or mode not in ("compiled", "eager"):
         raise ValueError(f"unknown side {side!r}; choose from {SIDES}")
-    return engine_graph(capture(model, mode, engine=engine, force=force), name=side)
+    return engine, mode
+
+
+def capture_sides(models, sides=SIDES, force: bool = False) -> None:
+    """Capture every engine side of every model that is not captured yet (all of them with force=True), side by
+    side (`models.concurrent_processes`, subprocesses). Stock Transformers is traced in-process, when read."""
+    jobs = [(m, *_engine_and_mode(side)) for m in models for side in sides if side != STOCK_SIDE]
+    with ThreadPoolExecutor(concurrent_processes(models)) as pool:
+        list(pool.map(lambda job: capture(job[0], job[2], engine=job[1], force=force), jobs))
 
 
 def read_sides(model, sides=SIDES, force: bool = False, progress: bool | None = None):
@@ -250,11 +266,12 @@ def read_sides(model, sides=SIDES, force: bool = False, progress: bool | None = 
     progress: a bar over the sides, a capture (an engine start and compile, minutes) each when not cached
     (None: only in a Jupyter kernel, see `rla_lib.progress`).
     """
+    capture_sides([model], sides, force=force)
     graphs_, points = {}, {}
     sides_bar = bar(sides, progress, desc=f"{model} graphs", leave=False)
     for side in sides_bar:
         sides_bar.set_postfix_str(side)
-        graphs_[side] = side_graph(model, side, force=force)
+        graphs_[side] = side_graph(model, side)  # captured above
         points[side] = read_points(graphs_[side])
         out = GRAPHS_DIR / resolve_model(model).path.name / f"points-{side.replace(':', '-')}.json"
         atomic_write_json(out, points[side].to_json())
