@@ -15,6 +15,7 @@ per-notebook times (`rla_lib.report times`) are copied to tables/<--table>.csv, 
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -46,8 +47,10 @@ def run_all(clone: Path, env: dict, setup_s: float, commit: str, table: str) -> 
     log = atomic_write(RESULTS_DIR / f"fresh_clone_run_all_{commit}.log", lambda tmp: tmp.write_text(out))
     if rc:
         raise SystemExit(f"make run-all failed (log: {log}):\n{out[-3000:]}")
+    kept = RESULTS_DIR / f"fresh_clone_run_all_{commit}_tables"  # the clone's result tables, to compare with others
+    shutil.copytree(clone / "tables", kept, dirs_exist_ok=True)
     times = notebook_times(clone / "notebooks" / "executed")
-    print(times.to_string(index=False), f"\nset-up {setup_s / 60:.1f} min; make run-all {run_s / 60:.1f} min (log: {log})")
+    print(times.to_string(index=False), f"\nset-up {setup_s / 60:.1f} min; make run-all {run_s / 60:.1f} min (log: {log}; tables: {kept})")
     save_table(times, table, dict(directory="notebooks/executed of a fresh clone", note=(
         f"fresh clone of {commit}, cold compile caches (benchmarks/fresh_clone_test.py --target run-all); "
         f"set-up {setup_s:.0f} s, make run-all {run_s:.0f} s in all")))
