@@ -37,9 +37,6 @@ import fcntl
 import hashlib
 import json
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +52,7 @@ from .engine_align import engine_schedule_for
 from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
 from .machine import machine, release_memory
-from .models import check_memory, concurrent_processes, load_model, resolve_model
+from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write, slug
 from .progress import bar
 from .rounding import round_mantissa
@@ -396,44 +393,6 @@ def claimed(runs):
             yield cfg, out
 
 
-def finished(cfg: GRPOConfig, out_dir: Path) -> bool:
-    """Whether `out_dir` holds this run finished (its history reaches cfg.steps)."""
-    path = Path(out_dir) / "history.csv"
-    return path.exists() and pd.read_csv(path, usecols=["step"])["step"].max() >= cfg.steps
-
-
-def run_side_by_side(runs, processes: int | None = None, progress: bool | None = None) -> list[pd.DataFrame]:
-    """The histories of `[(cfg, out_dir), ...]`, run by `processes` worker processes at once that share the list
-    (`claimed`; default `models.concurrent_processes`), each sharing its engines between its runs as `run_many` does.
-
-    Each worker's training side gets its share of the cores (torch threads; two processes of two threads on two
-    cores spend the update waiting on each other: 2.1 s per step each, against 1.1 s with one thread each and 0.67 s
-    alone). The numbers are those of `run_many`: a run is a pure function of its settings and the thread count
-    changes no bit of the training side's products (tests/test_grpo.py compares). Finished runs are read back.
-    progress: a bar over the runs (None: only in a Jupyter kernel, see `rla_lib.progress`)."""
-    runs = [(cfg, Path(out)) for cfg, out in runs]
-    todo = [(cfg, out) for cfg, out in runs if not finished(cfg, out)]
-    processes = min(len(todo), concurrent_processes([cfg.model for cfg, _ in todo]) if processes is None else processes)
-    if processes == 1:
-        list(run_many(todo, progress=progress))
-    elif processes > 1:
-        with tempfile.TemporaryDirectory(prefix="rla-grpo-") as tmp:
-            listing, logs = Path(tmp) / "runs.json", [Path(tmp) / f"worker{i}.log" for i in range(processes)]
-            listing.write_text(json.dumps([[dataclasses.asdict(cfg), str(out)] for cfg, out in todo]))
-            threads = str(max(1, torch.get_num_threads() // processes))
-            workers = [subprocess.Popen([sys.executable, "-m", "rla_lib.grpo", str(listing), threads], stdout=subprocess.DEVNULL,
-                                        stderr=log.open("w")) for log in logs]
-            runs_bar = bar(total=len(todo), progress=progress, desc="GRPO runs")
-            while any(w.poll() is None for w in workers):
-                time.sleep(1)
-                runs_bar.update(sum(finished(cfg, out) for cfg, out in todo) - runs_bar.n)
-            runs_bar.close()
-            for w, log in zip(workers, logs):
-                if w.returncode:
-                    raise RuntimeError(f"a GRPO worker process failed (exit {w.returncode}):\n{log.read_text()[-4000:]}")
-    return [pd.read_csv(out / "history.csv") for _, out in runs]
-
-
 def minibatch_rows(cfg, step: int, n: int) -> list[torch.Tensor]:
     """The rows of each minibatch: a shuffle of the n samples, a pure function of (seed, step)."""
     order = np.random.default_rng(cfg.seed * 7919 + step).permutation(n)
@@ -532,10 +491,3 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     if step % cfg.eval_every == 0:
         row.update(evaluate_run(cfg, policy, engine, eval_split))
     return row
-
-
-if __name__ == "__main__":  # a `run_side_by_side` worker: python -m rla_lib.grpo RUNS_JSON THREADS
-    torch.set_num_threads(int(sys.argv[2]))  # the training side's threads; the engine's processes keep their own
-    runs = [(GRPOConfig(**(c | {"regions": tuple(c["regions"])})), Path(out)) for c, out in json.loads(Path(sys.argv[1]).read_text())]
-    for _ in run_many(claimed(runs), progress=False):
-        pass

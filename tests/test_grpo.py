@@ -232,20 +232,3 @@ def test_run_many_keeps_going_past_a_failed_run(compiled_engine, tmp_path, monke
         compiled_engine.load_weights(load_model("qwen3-tiny"))
     assert isinstance(out[0][2], ValueError) and "different settings" in str(out[0][2])
     assert isinstance(out[1][2], pd.DataFrame) and (tmp_path / "good" / "history.csv").exists()
-
-
-@pytest.mark.engine
-def test_runs_side_by_side_equal_runs_one_after_another(compiled_engine, tmp_path):
-    """Two worker processes sharing the run list give every run the bits of `run_many` in this process."""
-    short = TINY | dict(steps=2)
-    runs = [(grpo.GRPOConfig(**short), "default"), (grpo.GRPOConfig(regions=("rope",), **short), "rope")]
-    try:
-        alone = [grpo.run(cfg, tmp_path / "alone" / name, engine=compiled_engine, progress=False) for cfg, name in runs]
-    finally:
-        compiled_engine.load_weights(load_model("qwen3-tiny"))
-    side_by_side = grpo.run_side_by_side([(cfg, tmp_path / "shared" / name) for cfg, name in runs], processes=2, progress=False)
-    for a, b in zip(alone, side_by_side):
-        pd.testing.assert_frame_equal(a.drop(columns=TIMING), b.drop(columns=TIMING), check_dtype=False)
-    assert not side_by_side[0]["k3"].equals(side_by_side[1]["k3"])  # two different runs, not one read twice
-    again = grpo.run_side_by_side([(cfg, tmp_path / "shared" / name) for cfg, name in runs], processes=2, progress=False)
-    assert all(a.equals(b) for a, b in zip(again, side_by_side))  # finished runs are read back, not run again
