@@ -66,8 +66,14 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 # The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
 XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
-test: setup test-transformers
-	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 -m "not real_shape" tests $(PYTEST_ARGS)
+# test-transformers (mostly pip building its small environments) runs alongside the suite; its output follows.
+test: setup
+	@mkdir -p .venv-tf; $(MAKE) --no-print-directory test-transformers > .venv-tf/test.log 2>&1 & transformers=$$!; \
+	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 \
+		-m "not real_shape" tests $(PYTEST_ARGS); suite=$$?; \
+	wait $$transformers; versions=$$?; cat .venv-tf/test.log; \
+	[ $$versions -eq 0 ] || echo "FAILED: make test-transformers (the align tests under other Transformers releases)"; \
+	[ $$suite -eq 0 ] && [ $$versions -eq 0 ]
 
 # Notebooks 00-06 on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
 # Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape
