@@ -39,13 +39,15 @@ def git_commit() -> str | None:
     return (commit + ("+changes" if dirty.stdout.strip() else "")) or None
 
 
-def save_table(df: pd.DataFrame, name: str, params: dict | None = None, directory: Path | str | None = None) -> Path:
-    """Write `df` as `<name>.csv` (index included if named) and its provenance as `<name>.json`, atomically."""
+def save_table(df: pd.DataFrame, name: str, params: dict | None = None, directory: Path | str | None = None,
+               commit: str | None = None) -> Path:
+    """Write `df` as `<name>.csv` (index included if named) and its provenance as `<name>.json`, atomically.
+    commit: the code that made the table when it is not this working copy's (e.g. a fresh clone's)."""
     directory = Path(directory or TABLES_DIR)
     keep_index = any(n is not None for n in df.index.names)
     path = atomic_write(directory / f"{name}.csv", lambda tmp: df.to_csv(tmp, index=keep_index, float_format="%.6g"))
     meta = dict(table=f"{name}.csv", written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=git_commit(), machine=machine(), params=params or {})
+                commit=commit or git_commit(), machine=machine(), params=params or {})
     atomic_write(directory / f"{name}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=str) + "\n"))
     return path
 
