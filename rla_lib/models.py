@@ -137,7 +137,8 @@ def concurrent_processes(models) -> int:
     An engine start and compile is mostly single-threaded, so on two or more cores two overlap well; each holds
     the KV cache (VLLM_CPU_KVCACHE_SPACE) and a copy of the model. So 2 for the small embedded models, 1 for
     anything with a real vocabulary (a real checkpoint's engine can take most of the memory). Concurrency changes
-    no bit: every process keeps its own thread count. RLA_PROCESSES=<n> overrides (1: one at a time)."""
+    no bit: a cold `make run-all` with it gave every result table of notebooks 02-07 bitwise as one at a time did.
+    RLA_PROCESSES=<n> overrides (1: one at a time; `make test` sets it, its test processes already fill the cores)."""
     if "RLA_PROCESSES" in os.environ:
         return max(1, int(os.environ["RLA_PROCESSES"]))
     small = all(resolve_model(m).small_vocab for m in models)
