@@ -64,9 +64,9 @@ PYTEST_ARGS ?=
 # Most tests are single-threaded engine starts and compiles, so two processes on two cores take ~40% less time
 # (benchmarks/fresh_clone_test.py). Each engine holds ~2-4 GB: raise it only with the memory for it. 1: one process.
 TEST_WORKERS ?= 2
-# The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
 XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 # test-transformers (mostly pip building its small environments) runs alongside the suite; its output follows.
+# The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
 test: setup
 	@mkdir -p .venv-tf; $(MAKE) --no-print-directory test-transformers > .venv-tf/test.log 2>&1 & transformers=$$!; \
 	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 \
