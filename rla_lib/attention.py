@@ -11,6 +11,13 @@ output once. The kernels here have the signature of Transformers' attention func
   exp(s - max)·V unnormalised, divided by the row sum at the end (as online-softmax kernels do), rounded once.
 - `p_bf16_attention`: the same, with P rounded to the model dtype before P·V.
 - `eager_attention`: Transformers' eager attention (the model family's `eager_attention_forward`).
+- `vllm_cpu_attention`: vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`, AVX-512 "vec" ISA,
+  csrc/cpu/cpu_attn_impl.hpp and cpu_attn_vec.hpp) operation for operation: q·kᵀ as sequential fused
+  multiply-adds over the head dimension, the kernel's polynomial exp (cpu_attn_macros.h), the row sum in 16
+  vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
+  reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02
+  per-op check and tests/test_engine_align.py); its backward is that of `flash_attention` (the same function
+  in exact arithmetic), as a straight-through value. Slower: two loops of tensor ops, over head_dim and keys.
 
 Each reads the mask Transformers built for the model's `attn_implementation` and adds it as eager
 attention does (see `additive_mask`); sliding windows and padding are in that mask. The engine has no
@@ -122,4 +129,93 @@ def eager_attention(
     return modeling.eager_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
 
 
-KERNELS = {"fp32": fp32_attention, "flash": flash_attention, "p_bf16": p_bf16_attention, "eager": eager_attention}
+# ---- vLLM's CPU attention kernel, bit for bit ----------------------------------------------------------------------
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a·b + c rounded once to FP32, as a fused multiply-add: the FP64 product of two FP32 values is exact, so
+    only the FP64 sum rounds before the FP32 rounding (a double rounding that can differ once in ~2^29 cases)."""
+    return torch.addcmul(c.double(), a.double(), b.double()).float()
+
+
+def _f32(bits: int) -> torch.Tensor:
+    return torch.tensor([bits - (1 << 32) if bits >= 1 << 31 else bits], dtype=torch.int32).view(torch.float32)[0]
+
+
+# DEFINE_FAST_EXP of csrc/cpu/cpu_attn_macros.h (x86 with AVX-512): exp(x) = 2^n · p(r), r = x - n·ln2, p of degree 5
+_EXP_LOG2E, _EXP_LN2, _EXP_LN_FLT_MIN, _EXP_LN_FLT_MAX = (_f32(b) for b in (0x3FB8AA3B, 0x3F317218, 0xC2AEAC50, 0x42B17218))
+_EXP_POLY = tuple(torch.tensor(c, dtype=torch.float32) for c in (0.00828929059, 0.0418978221, 0.166676521,
+                                                                  0.499991506, 0.999999701, 1.0))
+
+
+def vllm_fast_exp(x: torch.Tensor) -> torch.Tensor:
+    """The exp of vLLM's CPU attention softmax (AVX-512 `fast_exp`), elementwise on an FP32 tensor; 0 below ln(FLT_MIN)."""
+    src = torch.maximum(torch.minimum(x, _EXP_LN_FLT_MAX), _EXP_LN_FLT_MIN)
+    fx = torch.floor(fma32(src, _EXP_LOG2E, torch.tensor(0.5)))
+    r = fma32(-fx, _EXP_LN2, src)
+    poly = fma32(r, _EXP_POLY[0], _EXP_POLY[1])
+    for coefficient in _EXP_POLY[2:]:
+        poly = fma32(r, poly, coefficient)
+    two_n = ((fx - 1).to(torch.int32) + 127).bitwise_left_shift(23).view(torch.float32)
+    return poly * torch.where(x < _EXP_LN_FLT_MIN, 0.0, two_n) * 2
+
+
+def _reduce_add16(lanes: torch.Tensor) -> torch.Tensor:
+    """Sum of 16 FP32 lanes in the pairing of `_mm512_reduce_add_ps` (GCC): halves, quarters, then pairs."""
+    eight = lanes[..., 8:] + lanes[..., :8]
+    four = eight[..., 4:] + eight[..., :4]
+    return (four[..., 2] + four[..., 0]) + (four[..., 3] + four[..., 1])
+
+
+def _vllm_cpu_forward(query, key, value, attended, scaling):
+    """The kernel's forward on (B, H, T, D) BF16 q and repeated (B, H, S, D) FP32 k/v; `attended` (B, 1|H, T, S)."""
+    q = (query.float() * scaling).double()  # the kernel scales q in FP32 while copying it to its buffer
+    k, v = key.double(), value.double()
+    scores = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=torch.float32)
+    wide = torch.empty_like(scores, dtype=torch.float64)
+    for d in range(q.shape[-1]):  # q·kᵀ: one fused multiply-add per head dimension, in order (FP64 sum, FP32 store)
+        torch.addcmul(wide.copy_(scores), q[..., d, None], k[..., None, :, d], out=wide)
+        scores.copy_(wide)
+    scores = scores.masked_fill(~attended, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # rows that attend to nothing (left padding)
+    p = vllm_fast_exp(scores - row_max).masked_fill(~attended, 0.0)
+    # The row sum in 16 lanes: lane l holds the keys at l, l+16, ... counted from the sequence's first position
+    # (its first slot in the KV cache), so left padding is shifted out first.
+    start = attended.flatten(1, 2).any(1).int().argmax(-1)  # (B,): first position any query attends to
+    n = p.shape[-1]
+    index = (torch.arange(n) + start[:, None]).clamp(max=n - 1)
+    shifted = p.gather(-1, index[:, None, None, :].expand_as(p)).masked_fill(torch.arange(n) + start[:, None, None, None] >= n, 0.0)
+    shifted = torch.nn.functional.pad(shifted, (0, -n % 16)).unflatten(-1, (-1, 16))
+    lanes = torch.zeros_like(shifted[..., 0, :])
+    for group in range(shifted.shape[-2]):
+        lanes = lanes + shifted[..., group, :]
+    inverse_sum = (1.0 / _reduce_add16(lanes).double()).float()[..., None]
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    wide, p64 = torch.empty_like(out, dtype=torch.float64), p.double()
+    for t in range(n):  # P·V: one fused multiply-add per key, in order
+        torch.addcmul(wide.copy_(out), p64[..., t, None], v[..., None, t, :], out=wide)
+        out.copy_(wide)
+    return (inverse_sum * out).to(query.dtype), p * inverse_sum
+
+
+def vllm_cpu_attention(
+    module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None, **kwargs
+):
+    """vLLM's CPU attention kernel bit for bit in the forward (see the module docstring); the backward is
+    `flash_attention`'s. Returns the output and the normalised FP32 P."""
+    mask, key_states, value_states = _fp32_operands(module, query, key, value, attention_mask, dropout, is_causal)
+    attended = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mask is None else mask == 0
+    attended = attended.expand(query.shape[0], -1, query.shape[2], key_states.shape[2])
+    with torch.no_grad():
+        out, p = _vllm_cpu_forward(query, key_states, value_states, attended, scaling)
+    out = out.transpose(1, 2)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    empty = ~attended.any(-1).transpose(1, 2)[..., None]  # (B, T, 1|H, 1): query positions that are padding
+    if grad or empty.any():  # those rows (no engine computes them) take flash's value, as the other kernels' rows do
+        reference, _ = flash_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal)
+        out = reference + (torch.where(empty, reference, out) - reference).detach()
+    return out.contiguous(), p
+
+
+KERNELS = {"fp32": fp32_attention, "flash": flash_attention, "p_bf16": p_bf16_attention, "eager": eager_attention,
+           "vllm_cpu": vllm_cpu_attention}

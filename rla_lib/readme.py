@@ -172,6 +172,28 @@ def block_bitwise_tokens() -> str:
                          source("02_bitwise_tokens", meta)])
 
 
+def block_op_check() -> str:
+    t, meta = load_table("02_op_check")
+    a, _ = load_table("02_op_check_attention")
+    t = t.reset_index() if "model" not in t.columns else t
+    a = a.reset_index() if "model" not in a.columns else a
+    cols = list(dict.fromkeys(zip(t["model"], t["training side"])))
+    rows = []
+    for point in dict.fromkeys(t["point"]):
+        cells = []
+        for m, side in cols:
+            r = t[(t["model"] == m) & (t["training side"] == side) & (t["point"] == point)].iloc[0]
+            cells.append(f"{r['differing']:,} of {r['elements']:,}")
+        rows.append([point] + cells)
+    ops = md_table(["op (every op fed eager vLLM's inputs)"] + [f"{m}, {side}" for m, side in cols], rows)
+    models = list(dict.fromkeys(a["model"]))
+    kernels = md_table(["attention numerics, on eager vLLM's q/k/v"] + models,
+                       [[n] + [f"{a[(a['model'] == m) & (a['numerics'] == n)]['differing'].iloc[0]:,} of "
+                               f"{a[(a['model'] == m) & (a['numerics'] == n)]['elements'].iloc[0]:,}" for m in models]
+                        for n in dict.fromkeys(a["numerics"])])
+    return "\n\n".join([ops, kernels, source("02_op_check", meta)])
+
+
 def block_real_shape_notebooks() -> str:
     t, meta = load_table("real_shape_notebooks")
     rows = [[r["notebook"], f"{r['seconds'] / 60:.1f} min"] for _, r in t.iterrows()]
@@ -438,6 +460,7 @@ BLOCKS = {
     "isa-spread": block_isa_spread,
     "speed": measured_by("make bench && make run-all", block_speed),
     "bitwise-tokens": measured_by("make run-all (notebook 02)", block_bitwise_tokens),
+    "op-check": measured_by("make run-all (notebook 02)", block_op_check),
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),

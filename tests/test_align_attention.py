@@ -222,6 +222,7 @@ def test_kernels_match_their_fp64_reference(family, mask_kind):
     assert all(o.dtype == BF16 and o.shape == (3, 10, 4, 16) for o in out.values())
     assert rounded_once_within(out["fp32"], fp32_ref)
     assert rounded_once_within(out["flash"], fp32_ref)  # the same math in another FP32 order (normalised last)
+    assert rounded_once_within(out["vllm_cpu"], fp32_ref)  # and in vLLM's order, with its polynomial exp
     assert rounded_once_within(out["p_bf16"], p_bf16_ref)
     # The margin tells the kernels apart: each fails the other's reference, eager (BF16 scores and P) fails both.
     assert not torch.equal(out["fp32"], out["p_bf16"])
@@ -230,7 +231,7 @@ def test_kernels_match_their_fp64_reference(family, mask_kind):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kernel", ["fp32", "flash", "p_bf16"])
+@pytest.mark.parametrize("kernel", ["fp32", "flash", "p_bf16", "vllm_cpu"])
 def test_padding_gets_no_weight_and_rows_match_their_unpadded_reference(family, kernel):
     """Padded keys get probability exactly 0 (exp underflows), so each row's real positions are its unpadded
     sequence's attention; only the FP32 summation order differs, hence the reference interval, not bitwise."""
@@ -250,12 +251,47 @@ def test_padding_gets_no_weight_and_rows_match_their_unpadded_reference(family, 
 
 
 # --------------------------------------------------------------------------------------------------
+# vLLM's CPU attention kernel, bit for bit (against the engine itself: tests/test_op_check.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_vllm_fast_exp_is_exp_to_the_polynomials_accuracy():
+    x = torch.linspace(-80.0, 0.0, 100_001)  # (within ~1 of ln(FLT_MIN) its 2^(n-1)·2 scaling flushes to 0)
+    relative = (rla_attention.vllm_fast_exp(x).double() / torch.exp(x.double()) - 1).abs()
+    assert relative.max() < 1e-6  # a degree-5 polynomial on [-ln2/2, ln2/2]: a few FP32 ulps, not exact
+    assert not torch.equal(rla_attention.vllm_fast_exp(x), torch.exp(x))  # and so not torch's exp
+    below = torch.tensor([-88.0, -100.0, float("-inf")])  # under ln(FLT_MIN) the kernel gives exactly 0
+    assert torch.equal(rla_attention.vllm_fast_exp(below), torch.zeros(3))
+    assert torch.equal(rla_attention.vllm_fast_exp(torch.zeros(1)), torch.ones(1))
+
+
+def test_fma32_rounds_once():
+    a, b = torch.tensor([1 + 2.0**-12]), torch.tensor([1 + 2.0**-12])
+    c = torch.tensor([-(1 + 2.0**-11)])
+    assert rla_attention.fma32(a, b, c).item() == 2.0**-24  # a·b + c = 2^-24 exactly
+    assert (a * b + c).item() == 0.0  # two roundings lose it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_cpu_rows_are_bitwise_their_unpadded_sequence(family):
+    """Left padding shifts the kernel's 16-lane row sums; the kernel counts lanes from each sequence's first key,
+    as vLLM's KV cache does, so a padded row is its unpadded sequence bit for bit (not only within an interval)."""
+    module, (q, k, v), masks, _ = attention_inputs(family, rows=3, length=40)
+    out, _ = rla_attention.vllm_cpu_attention(module, q, k, v, masks["boolean"], module.scaling)
+    _, padding = batch(rows=3, length=40, pad_right=False)
+    for row, real in enumerate(padding.bool()):
+        alone, _ = rla_attention.vllm_cpu_attention(module, q[row : row + 1, :, real], k[row : row + 1, :, real],
+                                                    v[row : row + 1, :, real], None, module.scaling)
+        assert torch.equal(out[row : row + 1, real], alone)
+
+
+# --------------------------------------------------------------------------------------------------
 # FP32 models (every rounding a no-op: each kernel is eager attention) and training
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "flash"])  # flash reorders the FP32 math itself
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k not in ("flash", "vllm_cpu")])  # these reorder the FP32 math
 def test_fp32_model_forward_backward_equal_eager_bitwise(family, kernel):
     def run(model, regions):
         model.train()

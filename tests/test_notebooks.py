@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 FAST = {
     "00_tour": dict(n_prompts=16, n_samples=2),
     "01_rounding_toy": dict(n_prompts=8, live_widget=False),
-    "02_graph_comparison": dict(models=["qwen3-tiny"], hf_compiled=False, n_prompts=16, n_samples=2, n_boot=200),
+    "02_graph_comparison": dict(models=["qwen3-tiny"], hf_compiled=False, n_prompts=16, n_samples=2, n_boot=200,
+                                op_check_sequences=2),
     "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
@@ -59,7 +60,8 @@ SMALL = dict(n_samples=2, max_tokens=16)
 REAL_SHAPE = {
     "00_tour": dict(model=REAL_SHAPE_MODEL, n_prompts=8, **SMALL),
     "01_rounding_toy": dict(model=REAL_SHAPE_MODEL, n_prompts=4, live_widget=False),
-    "02_graph_comparison": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False, n_prompts=8, n_boot=200, **SMALL),
+    "02_graph_comparison": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False, n_prompts=8, n_boot=200, op_check_sequences=2,
+                                **SMALL),
     "03_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
     "04_shapley": dict(models=[REAL_SHAPE_MODEL], modes=["eager"], n_prompts=8, n_boot=100, **SMALL),
     "05_rounding_clustering": dict(models=[REAL_SHAPE_MODEL], n_prompts=4),

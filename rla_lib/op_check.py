@@ -1,0 +1,217 @@
+"""What is left between the aligned training side and the engine, op by op (teacher forcing).
+
+    caps = op_check.captured("qwen3-tiny")                    # eager vLLM scores a few sequences (a subprocess)
+    table = op_check.teacher_forced(model, caps)              # model: a Transformers Qwen, aligned as you like
+    kernels = op_check.attention_kernels(caps, model.config)  # each attention numerics on the engine's q/k/v
+
+The engine runs in eager mode (its modules one by one, so forward hooks see each op), in-process in a subprocess,
+and scores the sequences one at a time: hooks keep the input and output of every linear layer and of attention,
+the final norm's output and the engine's token logprobs. The training side then scores the same sequences with
+hooks that compare each of its values with the engine's at the same point and then put the engine's value in its
+place. Every op so starts from the engine's own inputs and each count of differing elements is that op's own, not
+carried in from earlier layers. A compiled engine runs its graph as one kernel per fusion, which hooks cannot
+see into; its remainder is read from its code instead (`rla_lib.graphs`).
+
+The points, per layer: `input_norm` (the input of q/k/v_proj), `q_proj`, `k_proj`, `v_proj`, `attention` (Q/K
+norm, RoPE and attention: the input of o_proj), `o_proj`, `post_norm` (the input of gate/up_proj), `gate_proj`,
+`up_proj`, `swiglu` (the input of down_proj), `down_proj`; then `final_norm` and `token_logprobs` (LM head and
+log-softmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .attention import KERNELS as ATTENTION_KERNELS
+from .engine import Engine
+from .machine import machine_key
+from .models import resolve_model
+from .paths import RESULTS_DIR, ROOT, atomic_write
+from .scoring import head_logprobs, pad_batch
+from .task import load_split
+
+OP_CHECK_DIR = RESULTS_DIR / "op_check"
+LAYER_POINTS = ("input_norm", "q_proj", "k_proj", "v_proj", "attention", "o_proj", "post_norm", "gate_proj", "up_proj",
+                "swiglu", "down_proj")
+
+
+# ---- the engine side: in-process vLLM with hooks (run by `captured` in a subprocess) ------------------------------
+def _keep(store: dict, name: str):
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        store[name] = (args[0].detach().clone(), out.detach().clone())
+    return hook
+
+
+def _keep_attention_inputs(store: dict, name: str):
+    return lambda module, args, output: store.__setitem__(name, tuple(a.detach().clone() for a in args[:3]))
+
+
+def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0) -> dict:
+    """Eager vLLM's values at every point for `n` sampled task sequences (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("op_check.capture needs the engine in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                           "(op_check.captured does, in a subprocess).")
+    with Engine(model, mode="eager") as engine:
+        vllm_model = engine.model_module()
+        store, hooks = {}, []
+        for i, layer in enumerate(vllm_model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                hooks.append(module.register_forward_hook(_keep(store, f"{i}.{name}")))
+            hooks.append(attn.attn.register_forward_hook(_keep_attention_inputs(store, f"{i}.attention_inputs")))
+        hooks.append(vllm_model.model.norm.register_forward_hook(_keep(store, "final_norm")))
+        prompts = [p.prompt for p in load_split()[:n]]
+        sequences = [g[0].ids for g in engine.sample(prompts, n=1, max_tokens=max_tokens, seed=seed, progress=False)]
+        points, logprobs = [], []
+        for s in sequences:  # one at a time: each engine call is then one forward of this sequence alone
+            store.clear()
+            logprobs.append(torch.from_numpy(engine.score([s], progress=False)[0].token_logprobs))
+            points.append(dict(store))
+        for h in hooks:
+            h.remove()
+    return dict(model=str(resolve_model(model).path), sequences=sequences, points=points, token_logprobs=logprobs,
+                machine=machine_key(engine_only=True))
+
+
+def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int = 1800) -> dict:
+    """`capture`'s result, kept under results/op_check (one engine start in a subprocess when not kept yet)."""
+    spec = resolve_model(model)
+    path = OP_CHECK_DIR / f"{spec.path.name}-eager-{n}-{machine_key(engine_only=True)}.pt"
+    if force or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+                   TOKENIZERS_PARALLELISM="false")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        proc = subprocess.run([sys.executable, "-m", "rla_lib.op_check", str(spec.path), "--n", str(n), "--out", str(path)],
+                              env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not path.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"op_check capture of {model} failed (exit {proc.returncode}):\n{tail}")
+    return torch.load(path)
+
+
+# ---- the training side, teacher-forced ----------------------------------------------------------------------------
+class _Tally:
+    def __init__(self):
+        self.rows = defaultdict(lambda: [0, 0, 0.0])
+
+    def compare(self, key, mine: torch.Tensor, engines: torch.Tensor):
+        mine = mine.reshape(engines.shape).to(engines.dtype)
+        row = self.rows[key]
+        row[0] += int((mine != engines).sum())
+        row[1] += engines.numel()
+        row[2] = max(row[2], float((mine.float() - engines.float()).abs().max()))
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame([dict(layer=layer, point=point, differing=d, elements=n, share_differing=d / n, max_abs_diff=m)
+                             for (layer, point), (d, n, m) in self.rows.items()])
+
+
+def _forcing_hooks(model, points: dict, tally: _Tally) -> list:
+    """Hooks comparing each point with the engine's value and then replacing it by that value."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+
+    def before(key, engines, check=True):
+        def hook(module, args):
+            if check:
+                tally.compare(key, args[0], engines)
+            return (engines.reshape(args[0].shape).to(args[0].dtype), *args[1:])
+        return hook
+
+    def after(key, engines):
+        def hook(module, args, output):
+            tally.compare(key, output, engines)
+            return engines.reshape(output.shape).to(output.dtype)
+        return hook
+
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_in, qkv_out = points[f"{i}.qkv"]
+        q, k, v = qkv_out.split([q_size, kv_size, kv_size], -1)
+        o_in, o_out = points[f"{i}.o"]
+        gate_up_in, gate_up_out = points[f"{i}.gate_up"]
+        gate, up = gate_up_out.chunk(2, -1)
+        down_in, down_out = points[f"{i}.down"]
+        hooks += [attn.q_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in)),
+                  attn.k_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in, check=False)),
+                  attn.v_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in, check=False)),
+                  attn.q_proj.register_forward_hook(after((i, "q_proj"), q)),
+                  attn.k_proj.register_forward_hook(after((i, "k_proj"), k)),
+                  attn.v_proj.register_forward_hook(after((i, "v_proj"), v)),
+                  attn.o_proj.register_forward_pre_hook(before((i, "attention"), o_in)),
+                  attn.o_proj.register_forward_hook(after((i, "o_proj"), o_out)),
+                  mlp.gate_proj.register_forward_pre_hook(before((i, "post_norm"), gate_up_in)),
+                  mlp.up_proj.register_forward_pre_hook(before((i, "post_norm"), gate_up_in, check=False)),
+                  mlp.gate_proj.register_forward_hook(after((i, "gate_proj"), gate)),
+                  mlp.up_proj.register_forward_hook(after((i, "up_proj"), up)),
+                  mlp.down_proj.register_forward_pre_hook(before((i, "swiglu"), down_in)),
+                  mlp.down_proj.register_forward_hook(after((i, "down_proj"), down_out))]
+    hooks.append(model.model.norm.register_forward_hook(after(("final", "final_norm"), points["final_norm"][1])))
+    return hooks
+
+
+def teacher_forced(model, captures: dict) -> pd.DataFrame:
+    """Per layer and point: how many elements of the training side's value differ from the engine's, when every
+    op is fed the engine's inputs (the model is used as it is: stock, or aligned by the caller)."""
+    tally = _Tally()
+    for sequence, points, engine_logprobs in zip(captures["sequences"], captures["points"], captures["token_logprobs"]):
+        hooks = _forcing_hooks(model, points, tally)
+        try:
+            ids, mask = pad_batch([sequence])
+            with torch.no_grad():
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[0, :-1]
+                mine = head_logprobs(model.lm_head, hidden, ids[0, 1:])
+        finally:
+            for h in hooks:
+                h.remove()
+        tally.compare(("final", "token_logprobs"), mine.float(), engine_logprobs)
+    return tally.frame()
+
+
+def attention_kernels(captures: dict, config) -> pd.DataFrame:
+    """Each attention numerics of `rla_lib.attention` on the engine's own post-RoPE q/k/v, against its output."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    module = argparse.Namespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    rows = []
+    for name, kernel in ATTENTION_KERNELS.items():
+        if name == "eager":  # Transformers' eager attention needs a real attention module; it rounds P, far off
+            continue
+        differing = elements = 0
+        for points in captures["points"]:
+            for i in range(config.num_hidden_layers):
+                q, k, v = (x.view(x.shape[0], -1, head_dim).transpose(0, 1)[None] for x in points[f"{i}.attention_inputs"])
+                out, _ = kernel(module, q, k, v, None, head_dim**-0.5)
+                engines = points[f"{i}.o"][0].view_as(out[0])
+                differing += int((out[0] != engines).sum())
+                elements += engines.numel()
+        rows.append(dict(numerics=name, differing=differing, elements=elements, share_differing=differing / elements))
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="capture eager vLLM's values at every op (rla_lib.op_check)")
+    parser.add_argument("model")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = capture(args.model, n=args.n)
+    atomic_write(Path(args.out), lambda tmp: torch.save(result, tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

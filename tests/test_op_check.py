@@ -1,0 +1,53 @@
+"""rla_lib.op_check against eager vLLM: every op of the engine-aligned training side, fed the engine's inputs,
+gives the engine's output bit for bit; vLLM's attention kernel is reproduced by the "vllm_cpu" numerics."""
+
+import pytest
+import torch
+
+from rla_lib import op_check
+from rla_lib.engine_align import engine_schedule_for, with_attention
+from rla_lib.graphs import align_to_schedule
+from rla_lib.models import load_model
+
+pytestmark = pytest.mark.engine
+AVX512 = torch.cpu._is_avx512_supported()  # vLLM's attention then uses its AVX-512 polynomial exp (what vllm_cpu is)
+
+
+@pytest.fixture(scope="module")
+def captures():
+    return op_check.captured("qwen3-tiny", n=4)
+
+
+def test_captures_hold_every_point(captures):
+    assert len(captures["sequences"]) == len(captures["points"]) == len(captures["token_logprobs"]) == 4
+    layers = load_model("qwen3-tiny").config.num_hidden_layers
+    names = {f"{i}.{p}" for i in range(layers) for p in ("qkv", "o", "gate_up", "down", "attention_inputs")}
+    assert all(set(points) == names | {"final_norm"} for points in captures["points"])
+
+
+@pytest.mark.skipif(not AVX512, reason="vLLM's CPU attention uses std::exp without AVX-512: another kernel")
+def test_vllm_cpu_attention_is_the_engines_bit_for_bit(captures):
+    table = op_check.attention_kernels(captures, load_model("qwen3-tiny").config).set_index("numerics")
+    assert table.loc["vllm_cpu", "differing"] == 0 and table.loc["vllm_cpu", "elements"] > 10_000
+    assert table.loc["p_bf16", "differing"] > 0  # the check tells kernels apart
+
+
+def test_engine_aligned_side_equals_eager_vllm_at_every_op(captures):
+    model = load_model("qwen3-tiny")
+    stock = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
+    assert stock["input_norm"] > 0 and stock["post_norm"] > 0 and stock["attention"] > 0  # stock rounds elsewhere
+    schedule = with_attention(engine_schedule_for("qwen3-tiny", "eager", probe=False), "vllm_cpu" if AVX512 else "flash")
+    handle = align_to_schedule(model, schedule)
+    try:
+        aligned = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
+    finally:
+        handle.undo()
+    assert set(aligned.index) == set(op_check.LAYER_POINTS) | {"final_norm", "token_logprobs"}
+    if not AVX512:
+        aligned = aligned.drop("attention")
+    assert (aligned == 0).all(), aligned[aligned > 0]
+
+
+def test_capture_in_a_process_with_engine_workers_is_refused_saying_what_to_set():
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        op_check.capture("qwen3-tiny")
