@@ -6,7 +6,8 @@
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
 and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
 compiled engine's schedule for the embedded Qwen3 with its attention numerics (`rla_lib.engine_align`;
-kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused.
+kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused, and, where
+those numerics are vLLM's exact CPU kernel (`vllm_cpu`), the same with `flash` attention (fast, near-equal).
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
 configuration. Configurations run round-robin (the order rotates every round), so load from other
@@ -60,10 +61,14 @@ CONFIGS = {
 
 
 def add_engine_schedule() -> None:
-    """The engine-aligned configurations (schedule + attention), eager and fused."""
+    """The engine-aligned configurations (schedule + attention), eager and fused; where the engine's attention is
+    the exact `vllm_cpu` kernel (slow: loops of tensor ops), also with `flash`, its fast near-equal (FP32, other order)."""
     regions, options = schedule_to_align_kwargs(engine_schedule_for("qwen3-tiny", "compiled"))
     CONFIGS["engine schedule"] = (regions, options)
     CONFIGS["engine schedule fused"] = (regions, options | {"fused": True})
+    if options.get("attention") == "vllm_cpu":
+        CONFIGS["engine schedule, flash attention"] = (regions, options | {"attention": "flash"})
+        CONFIGS["engine schedule fused, flash attention"] = (regions, options | {"fused": True, "attention": "flash"})
 
 
 def small_model(device: str) -> tuple[str, torch.nn.Module]:

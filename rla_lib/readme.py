@@ -212,8 +212,17 @@ def block_real_shape_results() -> str:
         cells = [pct_ci(g.loc[c, "relative"], g.loc[c, "rel_ci_low"], g.loc[c, "rel_ci_high"]) if c in g.index else ""
                  for c in ("paper", f"schedule_{mode}", engine[0] if engine else None)]
         rows.append([f"{Path(model).name} vs vLLM {mode}", f"{g['a'].iloc[0]:.3g}"] + cells + [f"{int(g['n_clusters'].iloc[0])}"])
-    return "\n\n".join([md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned",
-                                   "prompts"], rows), source("real-shape/02_schedule_reductions", meta)])
+    parts = [md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned", "prompts"], rows)]
+    b, _ = load_table("02_bitwise_tokens", TABLES_DIR / "real-shape")
+    b = b.reset_index() if "model" not in b.columns else b
+    cols = list(dict.fromkeys(zip(b["model"], b["vLLM mode"])))
+    shares = [[side] + [f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]" for m, mode in cols
+                        for _, r in b[(b["model"] == m) & (b["vLLM mode"] == mode) & (b["training side"] == side)].iterrows()]
+              for side in dict.fromkeys(b["training side"])]
+    parts += ["Response tokens whose training-side logprob is bit for bit the engine's:",
+              md_table(["training side"] + [f"{Path(m).name} vs vLLM {mode}" for m, mode in cols], shares),
+              source("real-shape/02_schedule_reductions", meta)]
+    return "\n\n".join(parts)
 
 
 def block_scoring_memory() -> str:
