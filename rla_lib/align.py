@@ -41,6 +41,12 @@ The defaults are the paper's; an option of a region that is not enabled is accep
   aligned version, forward and backward (the tests check it); the Q/K norm, the residual norms and
   SiLU's backward stay eager because their compiled float op order differs. Needs what
   `torch.compile` needs (a C++ compiler on CPU) and compiles on first use.
+- `rms_sum`: how the aligned norms (the residual-stream norms and, with `rope_qk_norm="fp32"`, the Q/K norm) sum x²:
+  `"torch"` (default, `x.pow(2).mean(-1)`, as Transformers) or in the order of inductor's vectorised C++ reduction
+  (compiled vLLM on CPU), `"vec<N>x<W>"`: N vector registers of W FP32 lanes accumulate the row in steps of N·W
+  elements, then the registers are added and each register's lanes summed pairwise (`vec2x16` on AVX-512 for BF16
+  inputs, `vec1x16` for FP32 ones; `vec2x8`, `vec1x8` on AVX2). One layout for every norm, or per norm kind and
+  layer (`rms_sum_layouts`), as `rla_lib.graphs` reads it from the engine's code (it differs between kernels).
 - `attention`: the "attention" region's numerics. `"fp32"` (default): scores q·kᵀ·scale (+ mask), softmax and
   P·V in FP32 from the BF16 q/k/v, the output rounded once; `"flash"`: the same in the order of vLLM's CPU
   attention kernel (q pre-scaled, P·V unnormalised, divided by the row sum at the end); `"p_bf16"`: as
@@ -85,6 +91,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from .align_versions import Release, supported_release
 from .attention import KERNELS as ATTENTION_KERNELS
+from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum
 
 
 REGIONS = ("rope", "swiglu", "residual_norm")  # the paper's
@@ -104,6 +111,7 @@ class AlignOptions:
     residual_stream: str = "bf16"
     fused: bool = False
     attention: str = "fp32"
+    rms_sum: str = "torch"
 
     CHOICES = {
         "rope_cos_sin": ("fp32", "bf16"),
@@ -112,10 +120,16 @@ class AlignOptions:
         "residual_stream": ("bf16", "fp32"),
         "fused": (False, True),
         "attention": tuple(ATTENTION_KERNELS),
+        "rms_sum": RMS_SUM_LAYOUTS,  # or per norm kind and layer (`rms_sum_layouts`)
     }
 
     def __post_init__(self):
+        if not isinstance(self.rms_sum, str):
+            raise ValueError(f"rms_sum={self.rms_sum!r} is not valid: a layout ({', '.join(RMS_SUM_LAYOUTS)}) or per kind.")
+        rms_sum_layouts(self.rms_sum)  # raises if malformed
         for name, allowed in self.CHOICES.items():
+            if name == "rms_sum":
+                continue
             value = getattr(self, name)
             if value not in allowed or type(value) is not type(allowed[0]):
                 raise ValueError(f"{name}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}.")
@@ -188,18 +202,22 @@ def _check_stock_source(family: _Family) -> Release:
 # --------------------------------------------------------------------------------------------------
 
 
-def _rms_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) in FP32, written as the stock RMSNorm so FP32 models stay bitwise unchanged."""
+def _rms_normalize(hidden_states: torch.Tensor, eps: float, rms_sum: str = "torch") -> torch.Tensor:
+    """x / rms(x) in FP32, written as the stock RMSNorm so FP32 models stay bitwise unchanged (`rms_sum="torch"`), or
+    with Σx² summed in the order of inductor's vectorised reduction."""
     hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return hidden_states * torch.rsqrt(variance + eps)
+    if rms_sum == "torch":
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return hidden_states * torch.rsqrt(variance + eps)
+    variance = square_sum(hidden_states, rms_sum)[..., None] / torch.tensor(float(hidden_states.shape[-1]))
+    return hidden_states * torch.rsqrt(variance + eps)  # (inductor's `1 / std::sqrt` gives torch.rsqrt's bits)
 
 
-def _qk_norm(norm: nn.Module, states: torch.Tensor, mode: str) -> torch.Tensor:
+def _qk_norm(norm: nn.Module, states: torch.Tensor, mode: str, rms_sum: str = "torch") -> torch.Tensor:
     """Qwen3's per-head Q/K norm; in FP32 mode the result is not rounded (it feeds the rotary)."""
     if mode == "stock":
         return norm(states)
-    return norm.weight.float() * _rms_normalize(states, norm.variance_epsilon)
+    return norm.weight.float() * _rms_normalize(states, norm.variance_epsilon, rms_sum)
 
 
 def _residual_add(residual: torch.Tensor, update: torch.Tensor, stream: str) -> torch.Tensor:
@@ -295,9 +313,11 @@ def _attention_forward(
     attention,
     release,
     options,
+    rms_sum="torch",
     **kwargs,
 ):
-    """`rope` and `attention` say which of the two regions in this forward are on (the other runs stock)."""
+    """`rope` and `attention` say which of the two regions in this forward are on (the other runs stock); `rms_sum`
+    is this layer's Q/K norm sum order."""
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -306,8 +326,8 @@ def _attention_forward(
     query_states = self.q_proj(hidden_states).view(hidden_shape)
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3
-        query_states = _qk_norm(self.q_norm, query_states, qk_norm)
-        key_states = _qk_norm(self.k_norm, key_states, qk_norm)
+        query_states = _qk_norm(self.q_norm, query_states, qk_norm, rms_sum)
+        key_states = _qk_norm(self.k_norm, key_states, qk_norm, rms_sum)
     query_states = query_states.transpose(1, 2)
     key_states = key_states.transpose(1, 2)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -356,10 +376,10 @@ def _mlp_forward(self, x, *, options):
     return self.down_proj((self.act_fn(gate.float()) * up.float()).to(gate.dtype))
 
 
-def _residual_norm_forward(self, hidden_states, *, options):
+def _residual_norm_forward(self, hidden_states, *, options, rms_sum="torch"):
     """RMSNorm of the (possibly FP32, unrounded) residual sum, output in the weight dtype."""
     dtype = self.weight.dtype
-    hidden_states = _rms_normalize(hidden_states, self.variance_epsilon)
+    hidden_states = _rms_normalize(hidden_states, self.variance_epsilon, rms_sum)
     if options.norm_weight == "fp32":
         return (self.weight.float() * hidden_states).to(dtype)
     return self.weight * hidden_states.to(dtype)
@@ -532,6 +552,7 @@ def align(
             f"{base.config.attention_dropout}: set it to 0 to align attention."
         )
 
+    sums = rms_sum_layouts(options.rms_sum, len(base.layers))
     unalign(base)
     handle = Alignment(base, regions, options)
     try:
@@ -540,23 +561,24 @@ def align(
             if options.rope_cos_sin == "fp32":
                 handle._patch(base.rotary_emb, _rotary_forward)
         if "rope" in regions or "attention" in regions:
-            for layer in base.layers:
+            for i, layer in enumerate(base.layers):
                 handle._patch(
                     layer.self_attn,
                     _attention_forward,
                     rope="rope" in regions,
                     attention="attention" in regions,
                     release=release,
+                    rms_sum=sums["qk_norm"][i],
                 )
         if "swiglu" in regions:
             for layer in base.layers:
                 handle._patch(layer.mlp, _mlp_forward)
         if "residual_norm" in regions:
-            for layer in base.layers:
+            for i, layer in enumerate(base.layers):
                 handle._patch(layer, _decoder_layer_forward)
-                handle._patch(layer.input_layernorm, _residual_norm_forward)
-                handle._patch(layer.post_attention_layernorm, _residual_norm_forward)
-            handle._patch(base.norm, _residual_norm_forward)
+                handle._patch(layer.input_layernorm, _residual_norm_forward, rms_sum=sums["input_norm"][i])
+                handle._patch(layer.post_attention_layernorm, _residual_norm_forward, rms_sum=sums["post_norm"][i])
+            handle._patch(base.norm, _residual_norm_forward, rms_sum=sums["final_norm"][0])
     except BaseException:
         handle._restore()
         raise

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv  # the same function in modeling_qwen2
 
+from .vector_sums import lane_tree_sum
+
 
 def additive_mask(
     attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, is_causal: bool
@@ -159,13 +161,6 @@ def vllm_fast_exp(x: torch.Tensor) -> torch.Tensor:
     return poly * torch.where(x < _EXP_LN_FLT_MIN, 0.0, two_n) * 2
 
 
-def _reduce_add16(lanes: torch.Tensor) -> torch.Tensor:
-    """Sum of 16 FP32 lanes in the pairing of `_mm512_reduce_add_ps` (GCC): halves, quarters, then pairs."""
-    eight = lanes[..., 8:] + lanes[..., :8]
-    four = eight[..., 4:] + eight[..., :4]
-    return (four[..., 2] + four[..., 0]) + (four[..., 3] + four[..., 1])
-
-
 def _vllm_cpu_forward(query, key, value, attended, scaling):
     """The kernel's forward on (B, H, T, D) BF16 q and repeated (B, H, S, D) FP32 k/v; `attended` (B, 1|H, T, S)."""
     q = (query.float() * scaling).double()  # the kernel scales q in FP32 while copying it to its buffer
@@ -189,7 +184,7 @@ def _vllm_cpu_forward(query, key, value, attended, scaling):
     lanes = torch.zeros_like(shifted[..., 0, :])
     for group in range(shifted.shape[-2]):
         lanes = lanes + shifted[..., group, :]
-    inverse_sum = (1.0 / _reduce_add16(lanes).double()).float()[..., None]
+    inverse_sum = (1.0 / lane_tree_sum(lanes).double()).float()[..., None]
     out = torch.zeros(query.shape, dtype=torch.float32)
     wide, p64 = torch.empty_like(out, dtype=torch.float64), p.double()
     for t in range(n):  # P·V: one fused multiply-add per key, in order

@@ -47,7 +47,8 @@ STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
 # Which regions each rla_lib.align option acts on (an option is inert without its regions): two
 # configurations that differ only in inert options score identically, so they share a name and a cache file.
 OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "norm_weight": ("residual_norm",),
-                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",)}
+                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",),
+                  "rms_sum": ("rope", "residual_norm")}
 
 
 def exact_key(inference: str, training: str) -> str:

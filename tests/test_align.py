@@ -49,6 +49,7 @@ OPTION_CASES = [
 PAPER_OPTIONS = {
     "rope_cos_sin": "fp32", "rope_qk_norm": "fp32", "norm_weight": "stock", "residual_stream": "bf16", "fused": False,
     "attention": "fp32",  # acts on the "attention" region only, which the paper does not have
+    "rms_sum": "torch",  # Transformers' own Σx² order
 }  # fmt: skip
 REGION_CASES = [("rope",), ("swiglu",), ("residual_norm",), rla.REGIONS]
 

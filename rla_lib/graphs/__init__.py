@@ -25,7 +25,9 @@ and whether producing it rounds to BF16 (`rounds`). Modules, in reading order:
   the order of fused kernels and extern calls (matmuls, attention) and the buffers each reads and writes;
   each kernel's body (C++ `cpp_fused_*` on CPU, Triton `triton_*_fused_*` on GPU) gives its values. A
   conversion to BF16 inside a kernel, or a store to a BF16 pointer, is a rounding; values never converted
-  or stored to BF16 stay FP32. No torch: these read text from any machine.
+  or stored to BF16 stay FP32. A piecewise compile (vLLM runs attention between the pieces) is one graph
+  (`parse_pieces`): each piece's inputs linked to what the piece before returns, an attention node between.
+  No torch: these read text from any machine.
 - `aten`: an aten-level trace of an eager forward (`AtenTracer`, a TorchDispatchMode): every op whose BF16
   output is not an exact copy is a rounding. Used for Transformers (`training_graph`, stock or aligned) and
   for eager vLLM inside its engine process, with vLLM IR ops expanded into the aten ops they dispatch to.
@@ -51,7 +53,7 @@ from importlib import import_module
 _EXPORTS = {
     "graph": ("GRAPHS_DIR", "GRAPH_FORMAT", "Graph", "GraphParseError", "Node", "normalize_op_name"),
     "inductor_kernels": ("kernel_name_ops",),
-    "inductor": ("parse_output_code",),
+    "inductor": ("parse_output_code", "parse_pieces"),
     "aten": ("AtenTracer", "default_ids", "trace_forward", "training_graph"),
     "points": ("FINAL", "FINAL_POINTS", "LAYER_POINTS", "POINT_INFO", "Held", "Mixed", "Points", "Split"),
     "reader": ("AnalysisError", "read_points"),

@@ -25,7 +25,7 @@ from ..paths import ROOT
 from ..progress import bar
 from .aten import AtenTracer, default_ids, training_graph
 from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic_write_json
-from .inductor import parse_output_code
+from .inductor import parse_output_code, parse_pieces
 from .reader import AnalysisError, read_points
 
 SIDES = (sides.engine("compiled"), sides.engine("eager"), sides.HF_COMPILED, sides.STOCK)
@@ -36,7 +36,8 @@ _MATMUL_CALLS = ("onednn_mm", "extern_kernels.mm", "extern_kernels.addmm", "aten
 # ---- compile caches -------------------------------------------------------------------------------------
 def find_output_code(cache_dir) -> list[Path]:
     """Inductor output-code files under a compile cache (vLLM's VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, a
-    capture directory, or a directory you copied them into), in compile order (inductor's AOT ID)."""
+    capture directory, or a directory you copied them into), in compile order: vLLM's piece index (its
+    `artifact_shape_*_subgraph_N` directories), else inductor's AOT ID."""
     cache_dir = Path(cache_dir)
     if not cache_dir.exists():
         raise GraphParseError(f"{cache_dir}: no such compile-cache directory")
@@ -47,7 +48,7 @@ def find_output_code(cache_dir) -> list[Path]:
         except OSError:
             continue
         if "async_compile" in head and re.search(r"^\s*def call\(", head, re.M):
-            m = re.search(r"# AOT ID: \['(\d+)_", head)
+            m = re.search(r"subgraph_(\d+)", str(p.relative_to(cache_dir))) or re.search(r"# AOT ID: \['(\d+)_", head)
             files.append((int(m.group(1)) if m else 10**6, p.stat().st_mtime, p))
     return [p for _, _, p in sorted(files)]
 
@@ -59,7 +60,8 @@ def _is_decoder_code(path: Path) -> bool:
 
 def parse_cache(cache_dir, name="compiled") -> Graph:
     """The decoder graph from a compile cache: one complete graph (the first whole-model one when several
-    shape-specialised compiles exist), else all decoder pieces concatenated in compile order (piecewise)."""
+    shape-specialised compiles exist), else all decoder pieces in piece order, linked across the attention vLLM
+    runs between them (piecewise: `parse_pieces`)."""
     files = [p for p in find_output_code(cache_dir) if _is_decoder_code(p)]
     if not files:
         raise GraphParseError(f"{cache_dir}: no inductor output code with matmuls (a decoder graph) found under it. "
@@ -77,15 +79,7 @@ def parse_cache(cache_dir, name="compiled") -> Graph:
         g = whole[0]
         g.meta["alternatives"] = [x.meta["files"][0] for x in whole[1:]]
         return g
-    g = Graph(name)
-    for p in files:
-        n0 = len(g.nodes)
-        parse_output_code(p, graph=g)
-        if n0:  # the engine runs attention between compiled pieces
-            g.add("attention", [n0 - 1], "bf16", rounds=True, kernel="(outside the compiled pieces)",
-                  text="piece boundary")
-    g.meta["piecewise"] = True
-    return g
+    return parse_pieces(files, name=name)  # the engine runs attention between the compiled pieces
 
 
 def merge_graphs(first: Graph, second: Graph, name=None) -> Graph:

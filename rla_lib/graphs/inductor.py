@@ -6,11 +6,12 @@ values. No torch here: this reads text, so it runs on output code copied from an
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .graph import BF16_DTYPES, EXACT_OPS, Graph, GraphParseError, dtype_name
+from .graph import BF16_DTYPES, EXACT_OPS, Graph, GraphParseError, Node, dtype_name
 from .inductor_kernels import Kernel, classify_cpp, parse_cpp_kernel, parse_triton_kernel, triton_expr_op
 
 # extern calls: (match on the callee text, op, index of the output argument or "return"/"out", indices of inputs)
@@ -52,6 +53,11 @@ def _arg_name(node) -> str | None:
     return None
 
 
+def _shape(size, stride) -> tuple:
+    """(size, stride) of a buffer as text with every symbol written `s`: `(s72, 9, 64)` -> `(s, 9, 64)`."""
+    return tuple(re.sub(r"[A-Za-z_]\w*", "s", ast.unparse(x).replace(" ", "")) for x in (size, stride))
+
+
 class _Buffers:
     """The wrapper's buffers while walking call(): which node holds each buffer's current value."""
 
@@ -64,6 +70,9 @@ class _Buffers:
         self.parts: dict[str, dict] = {}  # base -> {partial view name: node written through it}
         self.dtypes: dict[str, str] = {}
         self.calls = Counter()
+        self.shapes: dict[str, tuple] = {}  # buffer / arg name -> (size, stride), symbols as "s" (`_shape`)
+        self.args: set[str] = set()  # the graph inputs call() checks with assert_size_stride
+        self.returned: list[tuple] = []  # call()'s return values: (node id, (size, stride) or None)
 
     def value(self, name: str, dtype_hint="other") -> int:
         if name in self.values:
@@ -247,9 +256,28 @@ class _KernelCall:
             self.b.write(buf, nid)
 
 
+# A float sum reduction in inductor's C++ (an RMSNorm's Σx²): N vector registers of accumulators, then a loop over the
+# row in steps of N·(lanes per register). The order of its additions is what `rla_lib.align`'s `rms_sum` copies.
+_FLOAT_SUM_RE = re.compile(
+    r"at::vec::Vectorized(?:N<float,(?P<n>\d+)>|<float>) tmp_acc\d+_vec = [^;]*;\s*"
+    r"for\(int64_t \w+=static_cast<int64_t>\(0L\); \w+<static_cast<int64_t>\(\w+\); "
+    r"\w+\+=static_cast<int64_t>\((?P<step>\d+)L\)\)")
+
+
+def float_sum_layout(code: str) -> str | None:
+    """How a C++ kernel's float sum reduction accumulates: "vec<N>x<W>" (N registers of W lanes), None if it has none."""
+    m = _FLOAT_SUM_RE.search(code)
+    if m is None:
+        return None
+    registers = int(m["n"] or 1)
+    return f"vec{registers}x{int(m['step']) // registers}"
+
+
 def _kernels_and_call(mod: ast.Module, source: str):
-    """The kernels the file compiles (name -> parsed body) and its `call` function."""
+    """The kernels the file compiles (name -> parsed body), its `call` function, and the layout of each C++ kernel's
+    float sum reduction (name -> `float_sum_layout`, kernels that have one)."""
     kernels: dict[str, Kernel] = {}
+    sums: dict[str, str] = {}
     call_fn = None
     for st in mod.body:
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and isinstance(st.value, ast.Call):
@@ -259,6 +287,8 @@ def _kernels_and_call(mod: ast.Module, source: str):
                 if code is None:
                     raise GraphParseError(f"{source}: kernel {kname}: no C++ source in async_compile call")
                 kernels[kname] = parse_cpp_kernel(kname, code, source)
+                if layout := float_sum_layout(code):
+                    sums[kname] = layout
             elif fn.startswith("async_compile.triton"):
                 code = next((a.value for a in args[1:] if isinstance(a, ast.Constant) and isinstance(a.value, str)), None)
                 if code is None:
@@ -274,7 +304,7 @@ def _kernels_and_call(mod: ast.Module, source: str):
         raise GraphParseError(f"{source}: no `call` function: not an inductor output-code file")
     if not kernels:
         raise GraphParseError(f"{source}: no fused kernels (async_compile.cpp_pybinding / async_compile.triton) found")
-    return kernels, call_fn
+    return kernels, call_fn, sums
 
 
 class _Wrapper:
@@ -299,8 +329,14 @@ class _Wrapper:
             self.call(st.value)
         elif isinstance(st, ast.Return) and st.value is not None:
             outs = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
-            for nm in filter(None, map(_arg_name, outs)):
-                self.b.g.meta.setdefault("outputs", []).append(self.b.value(nm))
+            for out in outs:
+                nm = _arg_name(out)
+                if not nm:
+                    continue
+                nid = self.b.value(nm)
+                self.b.g.meta.setdefault("outputs", []).append(nid)
+                inline = isinstance(out, ast.Call) and _call_name(out) == "reinterpret_tensor" and len(out.args) > 2
+                self.b.returned.append((nid, _shape(*out.args[1:3]) if inline else self.b.shapes.get(nm)))
 
     def assign(self, st, name: str, v):
         if isinstance(v, ast.Call):
@@ -333,6 +369,8 @@ class _Wrapper:
             if kw.arg == "dtype":
                 dt = ast.unparse(kw.value)
         b.dtypes[name] = dtype_name(dt.removeprefix("torch."))
+        if len(v.args) > 1:
+            b.shapes[name] = _shape(*v.args[:2])
         b.values.pop(name, None)
         b.alias.pop(name, None)
         b.partial.discard(name)
@@ -347,6 +385,8 @@ class _Wrapper:
         base = _arg_name(v.args[0])
         root = b.alias.get(base, base)
         b.dtypes[name] = b.dtypes.get(base, "other")
+        if len(v.args) > 2:
+            b.shapes[name] = _shape(*v.args[1:3])
         b.alias[name] = root
         b.values.pop(name, None)
         if self.reused(st):
@@ -361,6 +401,8 @@ class _Wrapper:
             return
         root = b.alias.get(src, src)
         b.dtypes[name] = b.dtypes.get(src, "other")
+        if src in b.shapes:
+            b.shapes[name] = b.shapes[src]
         b.alias[name] = root
         b.partial.discard(name)
         if src in b.partial:
@@ -372,7 +414,10 @@ class _Wrapper:
     def call(self, call: ast.Call):
         fn = _call_name(call)
         kname = fn[:-4] if fn.endswith(".run") else fn
-        if kname in self.kernels:
+        if fn == "assert_size_stride" and len(call.args) > 2 and isinstance(call.args[0], ast.Name):
+            self.b.args.add(call.args[0].id)
+            self.b.shapes[call.args[0].id] = _shape(*call.args[1:3])
+        elif kname in self.kernels:
             self.b.run_kernel(self.kernels[kname], [_arg_name(a) for a in call.args])
         elif _match_extern(fn):
             self.n_extern += 1
@@ -384,6 +429,10 @@ class _Wrapper:
 
 def parse_output_code(path, graph: Graph | None = None, name: str | None = None) -> Graph:
     """Parse one inductor output-code file (wrapper + kernels) into a value graph (or append to `graph`)."""
+    return _parse(path, graph, name)[0]
+
+
+def _parse(path, graph: Graph | None = None, name: str | None = None) -> tuple[Graph, _Buffers]:
     path = Path(path)
     source = str(path)
     try:
@@ -394,9 +443,10 @@ def parse_output_code(path, graph: Graph | None = None, name: str | None = None)
         mod = ast.parse(text)
     except SyntaxError as e:
         raise GraphParseError(f"{source}: not Python source, so not inductor output code ({e.msg}, line {e.lineno})") from e
-    kernels, call_fn = _kernels_and_call(mod, source)
+    kernels, call_fn, sums = _kernels_and_call(mod, source)
     g = graph if graph is not None else Graph(name or path.stem)
     g.meta.setdefault("files", []).append(source)
+    g.meta.setdefault("float_sums", {}).update(sums)
     wrapper = _Wrapper(_Buffers(g, source), kernels, text.splitlines())
     for st in call_fn.body:
         wrapper.statement(st)
@@ -404,4 +454,89 @@ def parse_output_code(path, graph: Graph | None = None, name: str | None = None)
         raise GraphParseError(f"{source}: the call() function never runs any of the {len(kernels)} kernels it defines")
     g.meta["n_kernel_calls"] = g.meta.get("n_kernel_calls", 0) + sum(wrapper.b.calls.values())
     g.meta["n_extern_calls"] = g.meta.get("n_extern_calls", 0) + wrapper.n_extern
+    return g, wrapper.b
+
+
+# ---- piecewise compiles: vLLM splits the graph at attention, which runs between the compiled pieces ------------
+def parse_pieces(paths, name: str = "compiled") -> Graph:
+    """The output code of one piecewise compile, one file per piece in piece order, as one graph.
+
+    Between two pieces one attention node stands for the attention vLLM runs there. Each piece's activation
+    inputs are linked to the values the piece before returns, matched by (size, stride): vLLM passes q, k, v and
+    the attention output buffer, which the previous piece allocates (empty or zero-filled, computed from no input)
+    and attention fills in place, and the residual stream. An input that matches that fresh buffer reads the
+    attention node; q, k and v (returned, not read by the next piece) are the attention node's inputs. An input
+    that matches no returned value (positions, parameters) stays a graph input; one that matches several is
+    left unlinked and named in meta["unlinked"]. Kernel names are qualified by their piece (`subgraph_1:triton_...`):
+    every piece numbers its kernels from 0."""
+    g = Graph(name)
+    g.meta["piecewise"] = True
+    prev = None  # (node offset in g, piece graph, its buffers)
+    for k, path in enumerate(map(Path, paths)):
+        piece, b = _parse(path, name=path.stem)
+        m = re.search(r"subgraph_(\d+)", str(path))
+        label = f"subgraph_{m.group(1)}" if m else f"piece{k}"
+        links = _link_piece(g, prev, piece, b) if prev is not None else {}
+        off = len(g.nodes)
+        for n in piece.nodes:
+            if n.id in links:
+                src = g[links[n.id]]
+                what = "the attention output" if src.op == "attention" else "a value the piece before returns"
+                g.nodes.append(Node(n.id + off, "view", [src.id], src.dtype, kernel="link",
+                                    text=f"{n.text} of {label}: {what}"))
+            else:
+                kernel = f"{label}:{n.kernel}" if n.kernel in piece.kernels else n.kernel
+                g.nodes.append(dataclasses.replace(n, id=n.id + off, inputs=[i + off for i in n.inputs],
+                                                   kernel=kernel))
+        g.kernels.update({f"{label}:{kname}": info for kname, info in piece.kernels.items()})
+        g.meta.setdefault("float_sums", {}).update({f"{label}:{k}": v for k, v in piece.meta.get("float_sums", {}).items()})
+        for key in ("files", "unlinked"):
+            g.meta.setdefault(key, []).extend(piece.meta.get(key, []))
+        for key in ("n_kernel_calls", "n_extern_calls"):
+            g.meta[key] = g.meta.get(key, 0) + piece.meta.get(key, 0)
+        g.meta["outputs"] = [i + off for i in piece.meta.get("outputs", [])]
+        prev = (off, piece, b)
     return g
+
+
+def _link_piece(g: Graph, prev, piece: Graph, b: _Buffers) -> dict:
+    """Add the attention node between the previous piece and `piece`; {input node of piece: node of g it reads}."""
+    off, prev_piece, prev_b = prev
+    outs = [(nid + off, shape) for nid, shape in prev_b.returned]
+    fresh = {o for o, _ in outs if _computed_from_nothing(prev_piece, o - off, prev_b.args)}
+    matches = {}  # input node -> (fresh candidates, other candidates)
+    for n in piece.nodes:
+        if n.op == "input" and n.text in b.args and "s" in b.shapes[n.text][0]:  # an activation: sized by tokens
+            cands = [o for o, shape in outs if shape == b.shapes[n.text]]
+            matches[n.id] = ([o for o in cands if o in fresh], [o for o in cands if o not in fresh])
+    linked = {other[0] for fr, other in matches.values() if len(fr) != 1 and len(other) == 1}
+    written = [fr[0] for fr, _ in matches.values() if len(fr) == 1]
+    qkv = [o for o, _ in outs if o not in fresh and o not in linked]
+    dtype = g[written[0]].dtype if written else "bf16"
+    attention = g.add("attention", qkv or [off + len(prev_piece.nodes) - 1], dtype, rounds=dtype in BF16_DTYPES,
+                      kernel="(outside the compiled pieces)", text="attention between compiled pieces")
+    links = {}
+    for nid, (fr, other) in matches.items():
+        if len(fr) == 1:
+            links[nid] = attention
+        elif len(other) == 1:
+            links[nid] = other[0]
+        elif other:
+            piece.meta.setdefault("unlinked", []).append(f"{piece.meta['files'][0]}: {piece[nid].text} matches "
+                                                         f"{len(other)} values the previous piece returns")
+    return links
+
+
+def _computed_from_nothing(piece: Graph, nid: int, args: set) -> bool:
+    """No graph input and no matmul behind the value: an allocation, empty or filled with a constant."""
+    seen, stack = set(), [nid]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        n = piece[i]
+        if n.op == "mm" or (n.op == "input" and n.text in args):
+            return False
+        stack.extend(n.inputs)
+    return True

@@ -8,7 +8,7 @@ from .detectors import Reading
 from .graph import Graph
 from .points import FINAL, FINAL_POINTS, LAYER_POINTS, Held, Points
 
-_GRAPH_META = ("engine", "vllm", "torch", "model", "mode", "device")
+_GRAPH_META = ("engine", "vllm", "torch", "model", "mode", "device", "float_sums")
 
 
 class AnalysisError(RuntimeError):

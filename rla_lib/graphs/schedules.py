@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..align import REGIONS, align
 from ..models import resolve_model
+from ..vector_sums import NORM_KINDS, rms_sum_spec
 from .graph import GRAPHS_DIR, GraphParseError, atomic_write_json
 from .points import FINAL, FINAL_POINTS, LAYER_POINTS, Held, Mixed, Points, Split, combine_counts, parse_value
 
@@ -126,6 +127,22 @@ def _align_mapping(summary: dict, has_qk_norm: bool):
     return tuple(r for r in REGIONS if r in m.regions), m.options, m.notes
 
 
+def norm_sums(points: Points) -> dict | None:
+    """How each norm of the engine sums x² (`rla_lib.align`'s `rms_sum` layouts), per kind and layer: the float sum
+    reduction of the kernel that computes the norm (inductor's C++ code); None where the code shows none (an eager
+    trace, Triton code)."""
+    layouts = points.meta.get("float_sums") or {}
+    if not layouts:
+        return None
+
+    def layout(layer, key):
+        found = [layouts.get(k.split("#")[0]) for k in points.where.get((layer, key), [])]
+        return next((f for f in found if f), "torch")  # "torch": no sum read for it (e.g. no Q/K norm)
+
+    sums = {kind: [layout(i, f"{kind}.normalized") for i in range(points.n_layers)] for kind in NORM_KINDS[:-1]}
+    return sums | {"final_norm": [layout(FINAL, "final_norm.normalized")]}
+
+
 def schedule(points: Points, engine: str | None = None, meta: dict | None = None) -> dict:
     """A machine-readable rounding schedule from the points read off an engine's code or trace."""
     summary = points.summary()
@@ -144,8 +161,9 @@ def schedule(points: Points, engine: str | None = None, meta: dict | None = None
         "engine": engine or points.name,
         "n_layers": points.n_layers,
         "has_qk_norm": has_qk_norm,
-        "source": {k: v for k, v in {**points.meta, **(meta or {})}.items() if k != "missing"},
+        "source": {k: v for k, v in {**points.meta, **(meta or {})}.items() if k not in ("missing", "float_sums")},
         "points": per_layer,
+        **({"sums": sums} if (sums := norm_sums(points)) else {}),
         "align": {"regions": list(regions), "options": options, "exact": not notes, "notes": notes},
         "values": "bf16 = the value is rounded to BF16 where the next op reads it; fp32 = kept in FP32 (fused); "
                   "n/a = no such value (e.g. no Q/K norm, layer 0's residual is the embedding)",
@@ -170,12 +188,15 @@ def _summary(sched: dict) -> dict:
 
 
 def schedule_to_align_kwargs(sched: dict):
-    """(regions, options) for rla_lib.align.align from a schedule's points (its 'align' section is not read),
-    and its attention numerics where the schedule has them (an "attention" section: `rla_lib.engine_align`).
+    """(regions, options) for rla_lib.align.align from a schedule's points (its 'align' section is not read), how
+    its norms sum (a "sums" section, read from C++ inductor code) and its attention numerics where the schedule has
+    them (an "attention" section: `rla_lib.engine_align`).
 
     Notes on what the options cannot express are in `schedule_notes(sched)`.
     """
     regions, options, _ = _align_mapping(_summary(sched), sched.get("has_qk_norm", True))
+    if sched.get("sums") and any(r in regions for r in ("rope", "residual_norm")):
+        options = options | {"rms_sum": rms_sum_spec(sched["sums"])}
     numerics = sched.get("attention", {}).get("numerics")
     if numerics:
         regions, options = (*regions, "attention"), options | {"attention": numerics}
