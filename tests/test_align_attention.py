@@ -272,6 +272,15 @@ def test_fma32_rounds_once():
     assert (a * b + c).item() == 0.0  # two roundings lose it
 
 
+def test_vllm_cpu_fp32_and_fp64_fused_multiply_adds_agree(monkeypatch):
+    """Where FP32 addcmul is a fused multiply-add (checked at first use) the kernel uses it; the FP64 form is exact."""
+    module, (q, k, v), masks, _ = attention_inputs("qwen3", rows=3, length=40)
+    fast, _ = rla_attention.vllm_cpu_attention(module, q, k, v, masks["boolean"], module.scaling)
+    monkeypatch.setattr(rla_attention, "addcmul_rounds_once", lambda: False)
+    slow, _ = rla_attention.vllm_cpu_attention(module, q, k, v, masks["boolean"], module.scaling)
+    assert torch.equal(fast, slow)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_cpu_rows_are_bitwise_their_unpadded_sequence(family):
     """Left padding shifts the kernel's 16-lane row sums; the kernel counts lanes from each sequence's first key,
