@@ -44,6 +44,7 @@ from rla_lib.kl import bootstrap_indices
 from rla_lib.machine import use_bf16_matmul
 from rla_lib.paths import MODELS_DIR
 from rla_lib.report import save_table
+from rla_lib.vector_sums import rms_sum_layouts
 
 
 # name: (regions, options), or None for stock
@@ -64,6 +65,9 @@ def add_engine_schedule() -> None:
     """The engine-aligned configurations (schedule + attention), eager and fused; where the engine's attention is
     the exact `vllm_cpu` kernel (slow: loops of tensor ops), also with `flash`, its fast near-equal (FP32, other order)."""
     regions, options = schedule_to_align_kwargs(engine_schedule_for("qwen3-tiny", "compiled"))
+    if "rms_sum" in options:  # per layer for the embedded model's 4 layers; the large shape has 8: its most common layout
+        layouts = [x for kind in rms_sum_layouts(options["rms_sum"], 4).values() for x in kind]
+        options = options | {"rms_sum": max(set(layouts), key=layouts.count)}
     CONFIGS["engine schedule"] = (regions, options)
     CONFIGS["engine schedule fused"] = (regions, options | {"fused": True})
     if options.get("attention") == "vllm_cpu":

@@ -91,7 +91,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from .align_versions import Release, supported_release
 from .attention import KERNELS as ATTENTION_KERNELS
-from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum
+from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum, straight_through
 
 
 REGIONS = ("rope", "swiglu", "residual_norm")  # the paper's
@@ -209,7 +209,10 @@ def _rms_normalize(hidden_states: torch.Tensor, eps: float, rms_sum: str = "torc
     if rms_sum == "torch":
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return hidden_states * torch.rsqrt(variance + eps)
-    variance = square_sum(hidden_states, rms_sum)[..., None] / torch.tensor(float(hidden_states.shape[-1]))
+    with torch.no_grad():  # the loop's bits; its gradient is that of torch's mean (the same function)
+        variance = square_sum(hidden_states, rms_sum)[..., None] / torch.tensor(float(hidden_states.shape[-1]))
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        variance = straight_through(hidden_states.pow(2).mean(-1, keepdim=True), variance)
     return hidden_states * torch.rsqrt(variance + eps)  # (inductor's `1 / std::sqrt` gives torch.rsqrt's bits)
 
 

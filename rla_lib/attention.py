@@ -17,7 +17,7 @@ output once. The kernels here have the signature of Transformers' attention func
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
   reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02
   per-op check and tests/test_engine_align.py); its backward is that of `flash_attention` (the same function
-  in exact arithmetic), as a straight-through value. Slower: two loops of tensor ops, over head_dim and keys.
+  in exact arithmetic), through `vector_sums.straight_through`. Slower: two loops of tensor ops, over head_dim and keys.
 
 Each reads the mask Transformers built for the model's `attn_implementation` and adds it as eager
 attention does (see `additive_mask`); sliding windows and padding are in that mask. The engine has no
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv  # the same function in modeling_qwen2
 
-from .vector_sums import lane_tree_sum
+from .vector_sums import lane_tree_sum, straight_through
 
 
 def additive_mask(
@@ -228,7 +228,7 @@ def vllm_cpu_attention(
     empty = ~attended.any(-1).transpose(1, 2)[..., None]  # (B, T, 1|H, 1): query positions that are padding
     if grad or empty.any():  # those rows (no engine computes them) take flash's value, as the other kernels' rows do
         reference, _ = flash_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal)
-        out = reference + (torch.where(empty, reference, out) - reference).detach()
+        out = straight_through(reference, torch.where(empty, reference, out))
     return out.contiguous(), p
 
 

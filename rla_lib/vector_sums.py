@@ -9,6 +9,22 @@ from __future__ import annotations
 import torch
 
 
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, reference, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`'s bits (computed in a kernel's order, no graph), with the gradient of `reference` (the same math in
+    torch's order). `reference + (value - reference).detach()` would round the difference and can change bits."""
+    return _StraightThrough.apply(reference, value.detach())
+
+
 def lane_tree_sum(lanes: torch.Tensor) -> torch.Tensor:
     """Sum of a vector register's FP32 lanes (last dim, a power of 2) as x86 horizontal reductions pair them (GCC's
     `_mm512_reduce_add_ps`, ATen's `vec_reduce_all`): upper half onto lower half, again and again."""

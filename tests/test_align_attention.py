@@ -272,6 +272,21 @@ def test_fma32_rounds_once():
     assert (a * b + c).item() == 0.0  # two roundings lose it
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_cpu_and_rms_sum_keep_their_bits_under_autograd(family):
+    """Training runs the forward with gradients on: the values must still be the kernel-order ones, bit for bit."""
+    model = build(family, attn="sdpa")
+    input_ids, mask = batch(pad_right=False)
+    options = dict(attention="vllm_cpu", rms_sum="vec2x16", residual_stream="fp32", norm_weight="fp32")
+    with rla.aligned(model, rla.ALL_REGIONS, **options):
+        expected = logits(model, input_ids, mask)
+        model.train()
+        out = model(input_ids=input_ids, attention_mask=mask, labels=input_ids)
+        out.loss.backward()
+    assert torch.equal(out.logits, expected)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_vllm_cpu_fp32_and_fp64_fused_multiply_adds_agree(monkeypatch):
     """Where FP32 addcmul is a fused multiply-add (checked at first use) the kernel uses it; the FP64 form is exact."""
     module, (q, k, v), masks, _ = attention_inputs("qwen3", rows=3, length=40)

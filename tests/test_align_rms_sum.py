@@ -10,7 +10,7 @@ from torch._inductor.utils import run_and_get_code
 
 from rla_lib import align as rla
 from rla_lib.align import _rms_normalize
-from rla_lib.vector_sums import rms_sum_layouts, rms_sum_spec
+from rla_lib.vector_sums import rms_sum_layouts, rms_sum_spec, straight_through
 from rla_lib.graphs import parse_output_code, read_points, schedule, schedule_to_align_kwargs
 from rla_lib.graphs.inductor import float_sum_layout
 from rla_lib.models import load_model
@@ -65,3 +65,13 @@ def test_rms_sum_spec_round_trip_and_errors():
         rla.AlignOptions(rms_sum="mlp_norm=vec2x16")
     with pytest.raises(ValueError, match="3 input_norm layouts for a model with 4"):
         rla.align(load_model("qwen3-tiny"), ("residual_norm",), rms_sum="input_norm=vec2x16,vec2x16,vec1x16")
+
+
+def test_straight_through_keeps_the_bits_and_passes_the_gradient():
+    reference = torch.tensor([1.0], requires_grad=True)
+    value = torch.tensor([2.0**-30])
+    assert (reference + (value - reference)).item() == 0.0  # the additive form loses the value
+    out = straight_through(reference * 3, value)
+    assert out.item() == 2.0**-30
+    out.backward()
+    assert reference.grad.item() == 3.0
