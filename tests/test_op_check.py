@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from rla_lib import op_check
-from rla_lib.engine_align import engine_schedule_for, with_attention
-from rla_lib.graphs import align_to_schedule
+from rla_lib.engine_align import with_attention
+from rla_lib.graphs import Graph, align_to_schedule, read_points
+from rla_lib.graphs import schedule as graphs_schedule
 from rla_lib.models import load_model
+from test_graphs_inductor import EAGER_TRACE
 
 pytestmark = pytest.mark.engine
 AVX512 = torch.cpu._is_avx512_supported()  # vLLM's attention then uses its AVX-512 polynomial exp (what vllm_cpu is)
@@ -36,7 +38,9 @@ def test_engine_aligned_side_equals_eager_vllm_at_every_op(captures):
     model = load_model("qwen3-tiny")
     stock = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
     assert stock["input_norm"] > 0 and stock["post_norm"] > 0 and stock["attention"] > 0  # stock rounds elsewhere
-    schedule = with_attention(engine_schedule_for("qwen3-tiny", "eager", probe=False), "vllm_cpu" if AVX512 else "flash")
+    # the schedule read from eager vLLM's real aten trace of this model (committed; a live capture reads the same)
+    points = read_points(Graph.load(EAGER_TRACE))
+    schedule = with_attention(graphs_schedule(points, "vllm:eager"), "vllm_cpu" if AVX512 else "flash")
     handle = align_to_schedule(model, schedule)
     try:
         aligned = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
