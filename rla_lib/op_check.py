@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -185,7 +186,7 @@ def attention_kernels(captures: dict, config) -> pd.DataFrame:
     """Each attention numerics of `rla_lib.attention` on the engine's own post-RoPE q/k/v, against its output."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    module = argparse.Namespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)  # what the kernels read
     rows = []
     for name, kernel in ATTENTION_KERNELS.items():
         if name == "eager":  # Transformers' eager attention needs a real attention module; it rounds P, far off

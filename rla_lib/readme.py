@@ -157,40 +157,38 @@ def block_suite_time() -> str:
     return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
 
 
+def pivot_md(t, row: str, cols: list[str], cell, row_header: str, col_label) -> str:
+    """A long table as markdown: a row per value of `row`, a column per combination of `cols` (first-seen order),
+    `cell(record)` in each; `col_label(key)` heads the columns."""
+    t = t.reset_index() if row not in t.columns else t
+    keys = list(dict.fromkeys(zip(*(t[c] for c in cols))))
+    rows = []
+    for value in dict.fromkeys(t[row]):
+        part = t[t[row] == value]
+        rows.append([value] + [cell(part[(part[cols] == list(key)).all(axis=1)].iloc[0]) for key in keys])
+    return md_table([row_header] + [col_label(key) for key in keys], rows)
+
+
+def share_ci(r) -> str:
+    return f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]"
+
+
+def differing_of(r) -> str:
+    return f"{r['differing']:,} of {r['elements']:,}"
+
+
 def block_bitwise_tokens() -> str:
     t, meta = load_table("02_bitwise_tokens")
-    t = t.reset_index() if "model" not in t.columns else t
-    cols = list(dict.fromkeys(zip(t["model"], t["vLLM mode"])))
-    rows = []
-    for side in dict.fromkeys(t["training side"]):
-        cells = []
-        for m, mode in cols:
-            r = t[(t["model"] == m) & (t["vLLM mode"] == mode) & (t["training side"] == side)].iloc[0]
-            cells.append(f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]")
-        rows.append([side] + cells)
-    return "\n\n".join([md_table(["training side"] + [f"{m} vs vLLM {mode}" for m, mode in cols], rows),
-                         source("02_bitwise_tokens", meta)])
+    table = pivot_md(t, "training side", ["model", "vLLM mode"], share_ci, "training side", lambda k: f"{k[0]} vs vLLM {k[1]}")
+    return "\n\n".join([table, source("02_bitwise_tokens", meta)])
 
 
 def block_op_check() -> str:
     t, meta = load_table("02_op_check")
     a, _ = load_table("02_op_check_attention")
-    t = t.reset_index() if "model" not in t.columns else t
-    a = a.reset_index() if "model" not in a.columns else a
-    cols = list(dict.fromkeys(zip(t["model"], t["training side"])))
-    rows = []
-    for point in dict.fromkeys(t["point"]):
-        cells = []
-        for m, side in cols:
-            r = t[(t["model"] == m) & (t["training side"] == side) & (t["point"] == point)].iloc[0]
-            cells.append(f"{r['differing']:,} of {r['elements']:,}")
-        rows.append([point] + cells)
-    ops = md_table(["op (every op fed eager vLLM's inputs)"] + [f"{m}, {side}" for m, side in cols], rows)
-    models = list(dict.fromkeys(a["model"]))
-    kernels = md_table(["attention numerics, on eager vLLM's q/k/v"] + models,
-                       [[n] + [f"{a[(a['model'] == m) & (a['numerics'] == n)]['differing'].iloc[0]:,} of "
-                               f"{a[(a['model'] == m) & (a['numerics'] == n)]['elements'].iloc[0]:,}" for m in models]
-                        for n in dict.fromkeys(a["numerics"])])
+    ops = pivot_md(t, "point", ["model", "training side"], differing_of, "op (every op fed eager vLLM's inputs)",
+                   lambda k: f"{k[0]}, {k[1]}")
+    kernels = pivot_md(a, "numerics", ["model"], differing_of, "attention numerics, on eager vLLM's q/k/v", lambda k: k[0])
     return "\n\n".join([ops, kernels, source("02_op_check", meta)])
 
 
@@ -214,13 +212,9 @@ def block_real_shape_results() -> str:
         rows.append([f"{Path(model).name} vs vLLM {mode}", f"{g['a'].iloc[0]:.3g}"] + cells + [f"{int(g['n_clusters'].iloc[0])}"])
     parts = [md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned", "prompts"], rows)]
     b, _ = load_table("02_bitwise_tokens", TABLES_DIR / "real-shape")
-    b = b.reset_index() if "model" not in b.columns else b
-    cols = list(dict.fromkeys(zip(b["model"], b["vLLM mode"])))
-    shares = [[side] + [f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]" for m, mode in cols
-                        for _, r in b[(b["model"] == m) & (b["vLLM mode"] == mode) & (b["training side"] == side)].iterrows()]
-              for side in dict.fromkeys(b["training side"])]
     parts += ["Response tokens whose training-side logprob is bit for bit the engine's:",
-              md_table(["training side"] + [f"{Path(m).name} vs vLLM {mode}" for m, mode in cols], shares),
+              pivot_md(b, "training side", ["model", "vLLM mode"], share_ci, "training side",
+                       lambda k: f"{Path(k[0]).name} vs vLLM {k[1]}"),
               source("real-shape/02_schedule_reductions", meta)]
     return "\n\n".join(parts)
 
