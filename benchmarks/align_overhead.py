@@ -2,12 +2,12 @@
 
     python benchmarks/align_overhead.py                              # both shapes
     python benchmarks/align_overhead.py --shape small --rounds 3     # quick look
+    python benchmarks/align_overhead.py --shape large --configs "all 3 fused;engine schedule fused" --no-save
 
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
 and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
 compiled engine's schedule for the embedded Qwen3 with its attention numerics (`rla_lib.engine_align`;
-kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused, and, where
-those numerics are vLLM's exact CPU kernel (`vllm_cpu`), the same with `flash` attention (fast, near-equal).
+kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused.
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
 configuration. Configurations run round-robin (the order rotates every round), so load from other
@@ -62,17 +62,13 @@ CONFIGS = {
 
 
 def add_engine_schedule() -> None:
-    """The engine-aligned configurations (schedule + attention), eager and fused; where the engine's attention is
-    the exact `vllm_cpu` kernel (slow: loops of tensor ops), also with `flash`, its fast near-equal (FP32, other order)."""
+    """The engine-aligned configurations (schedule + attention), eager and fused."""
     regions, options = schedule_to_align_kwargs(engine_schedule_for("qwen3-tiny", "compiled"))
     if "rms_sum" in options:  # per layer for the embedded model's 4 layers; the large shape has 8: its most common layout
         layouts = [x for kind in rms_sum_layouts(options["rms_sum"], 4).values() for x in kind]
         options = options | {"rms_sum": max(set(layouts), key=layouts.count)}
     CONFIGS["engine schedule"] = (regions, options)
     CONFIGS["engine schedule fused"] = (regions, options | {"fused": True})
-    if options.get("attention") == "vllm_cpu":
-        CONFIGS["engine schedule, flash attention"] = (regions, options | {"attention": "flash"})
-        CONFIGS["engine schedule fused, flash attention"] = (regions, options | {"fused": True, "attention": "flash"})
 
 
 def small_model(device: str) -> tuple[str, torch.nn.Module]:
@@ -207,6 +203,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--no-fused", action="store_true", help="skip the fused=True configurations")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-aligned configurations")
+    parser.add_argument("--configs", default=None,
+                        help="configurations to run, separated by ';' (stock always runs), e.g. 'all 3 fused;engine schedule fused'")
     parser.add_argument("--rounds", type=int, default=7, help="timed round-robin rounds")
     parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -220,6 +218,12 @@ def main() -> None:
         add_engine_schedule()
     if args.no_fused:
         for name in [name for name, config in CONFIGS.items() if config and config[1].get("fused")]:
+            del CONFIGS[name]
+    if args.configs:
+        keep = {"stock", *args.configs.split(";")}
+        if keep - set(CONFIGS):
+            parser.error(f"unknown configuration(s) {sorted(keep - set(CONFIGS))}; choose from {list(CONFIGS)}")
+        for name in set(CONFIGS) - keep:
             del CONFIGS[name]
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device) for name in shapes])

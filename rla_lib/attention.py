@@ -16,8 +16,9 @@ output once. The kernels here have the signature of Transformers' attention func
   multiply-adds over the head dimension, the kernel's polynomial exp (cpu_attn_macros.h), the row sum in 16
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
   reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02
-  per-op check and tests/test_engine_align.py); its backward is that of `flash_attention` (the same function
-  in exact arithmetic), through `vector_sums.straight_through`. Slower: two loops of tensor ops, over head_dim and keys.
+  per-op check and tests/test_engine_align.py); its backward is that of torch's fused SDPA kernel in the model
+  dtype, as the stock model trains (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`) where a C
+  compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, several times slower).
 
 Each reads the mask Transformers built for the model's `attn_implementation` and adds it as eager
 attention does (see `additive_mask`); sliding windows and padding are in that mask. The engine has no
@@ -33,7 +34,8 @@ import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv  # the same function in modeling_qwen2
 
-from .vector_sums import lane_tree_sum, straight_through
+from . import native
+from .vector_sums import lane_tree_sum
 
 
 def additive_mask(
@@ -185,20 +187,33 @@ def _fma_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torc
     return acc
 
 
-def _vllm_cpu_forward(query, key, value, attended, scaling):
-    """The kernel's forward on (B, H, T, D) BF16 q and repeated (B, H, S, D) FP32 k/v; `attended` (B, 1|H, T, S)."""
+def _vllm_cpu_forward(query, key, value, attended, scaling, weights=False):
+    """The kernel's forward on (B, H, T, D) q and (B, KV, S, D) k/v in the model dtype; `attended` (B, 1|H, T, S).
+    Returns the output (rows that attend to nothing: NaN), each row's log-sum-exp of its scores (+inf where it attends
+    to nothing) and, with `weights`, the normalised FP32 P (else None). In C where it compiles (`rla_lib.native`),
+    else as loops of torch ops: the same bits (the log-sum-exp, which only the backward reads, within an ulp)."""
     q = query.float() * scaling  # the kernel scales q in FP32 while copying it to its buffer
+    if native.library() is not None:
+        out, logsumexp, p = native.vllm_cpu_attention(q, key.float(), value.float(), attended, weights)
+        return out.to(query.dtype), logsumexp, p
+    groups = query.shape[1] // key.shape[1]
+    # The row sum's 16 lanes count from the sequence's first position (its first slot in the KV cache)
+    start = attended.flatten(1, 2).any(1).int().argmax(-1)  # (B,): first position any query attends to
+    out, logsumexp, p = _vllm_cpu_forward_torch(q, repeat_kv(key, groups).float(), repeat_kv(value, groups).float(),
+                                                attended, start, query.dtype)
+    return out, logsumexp, p if weights else None
+
+
+def _vllm_cpu_forward_torch(q, key, value, attended, start, dtype):
     key_rows = key.transpose(-1, -2).contiguous()  # (B, H, D, S)
-    scores = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=torch.float32)
+    scores = torch.zeros(q.shape[:-1] + (key.shape[-2],), dtype=torch.float32)
     # q·kᵀ: one fused multiply-add per head dimension, in order
     scores = _fma_accumulate(scores, q.movedim(-1, 0)[..., None], key_rows.movedim(-2, 0)[..., None, :])
     scores = scores.masked_fill(~attended, float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # rows that attend to nothing (left padding)
     p = vllm_fast_exp(scores - row_max).masked_fill(~attended, 0.0)
-    # The row sum in 16 lanes: lane l holds the keys at l, l+16, ... counted from the sequence's first position
-    # (its first slot in the KV cache), so left padding is shifted out first.
-    start = attended.flatten(1, 2).any(1).int().argmax(-1)  # (B,): first position any query attends to
+    # The row sum in 16 lanes: lane l holds the keys at start + l, start + l + 16, ... (left padding shifted out)
     n = p.shape[-1]
     index = (torch.arange(n) + start[:, None]).clamp(max=n - 1)
     shifted = p.gather(-1, index[:, None, None, :].expand_as(p)).masked_fill(torch.arange(n) + start[:, None, None, None] >= n, 0.0)
@@ -206,30 +221,63 @@ def _vllm_cpu_forward(query, key, value, attended, scaling):
     lanes = torch.zeros_like(shifted[..., 0, :])
     for group in range(shifted.shape[-2]):
         lanes = lanes + shifted[..., group, :]
-    inverse_sum = (1.0 / lane_tree_sum(lanes).double()).float()[..., None]
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    row_sum = lane_tree_sum(lanes)
+    inverse_sum = (1.0 / row_sum.double()).float()[..., None]
+    out = torch.zeros(q.shape, dtype=torch.float32)
     # P·V: one fused multiply-add per key, in order
     out = _fma_accumulate(out, p.movedim(-1, 0)[..., None], value.movedim(-2, 0)[..., None, :])
-    return (inverse_sum * out).to(query.dtype), p * inverse_sum
+    logsumexp = torch.where(row_sum > 0, row_max[..., 0] + row_sum.log(), float("inf"))
+    return (inverse_sum * out).to(dtype), logsumexp, p * inverse_sum
+
+
+class _SdpaBackward(torch.autograd.Function):
+    """The attention output as given (a kernel's, computed outside autograd); the gradient that of torch's fused CPU
+    SDPA kernel at that output: its backward reads only q, k, v, the output and each row's log-sum-exp, so the
+    forward it would have run is not needed."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, out, logsumexp, mask, scale):
+        ctx.save_for_backward(query, key, value, out, logsumexp, mask)
+        ctx.scale = scale
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, logsumexp, mask = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), query, key, value, out, logsumexp, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        return *grads, None, None, None, None
 
 
 def vllm_cpu_attention(
-    module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None, **kwargs
+    module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None,
+    weights: bool = False, **kwargs
 ):
-    """vLLM's CPU attention kernel bit for bit in the forward (see the module docstring); the backward is
-    `flash_attention`'s. Returns the output and the normalised FP32 P."""
-    mask, key_states, value_states = _fp32_operands(module, query, key, value, attention_mask, dropout, is_causal)
+    """vLLM's CPU attention kernel bit for bit in the forward (see the module docstring); the backward is that of
+    torch's fused SDPA kernel in the model dtype (the stock model's), at this output. Query rows that attend to nothing
+    (left padding; no engine computes them) give the mean of the values, as the other kernels do, and no gradient. Returns the output and, as Transformers' sdpa
+    and flash kernels do, no weights (None); with `weights=True` the normalised FP32 P."""
+    if query.device.type != "cpu":
+        raise ValueError(f"attention='vllm_cpu' is vLLM's CPU kernel; this model is on {query.device.type}: "
+                         "use the numerics the probe reads for that engine (e.g. 'flash').")
+    _refuse_dropout(dropout)
+    mask = additive_mask(attention_mask, query, key, module.is_causal if is_causal is None else is_causal)
     attended = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mask is None else mask == 0
-    attended = attended.expand(query.shape[0], -1, query.shape[2], key_states.shape[2])
+    attended = attended.expand(query.shape[0], -1, query.shape[2], key.shape[2])
     with torch.no_grad():
-        out, p = _vllm_cpu_forward(query, key_states, value_states, attended, scaling)
-    out = out.transpose(1, 2)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    empty = ~attended.any(-1).transpose(1, 2)[..., None]  # (B, T, 1|H, 1): query positions that are padding
-    if grad or empty.any():  # those rows (no engine computes them) take flash's value, as the other kernels' rows do
-        reference, _ = flash_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal)
-        out = straight_through(reference, torch.where(empty, reference, out))
-    return out.contiguous(), p
+        out, logsumexp, p = _vllm_cpu_forward(query, key, value, attended, scaling, weights)
+        # Rows that attend to nothing (left padding; no engine computes them): what the other kernels give there, the
+        # mean of all values (every score equally masked), and no gradient (their log-sum-exp is +inf).
+        empty = ~attended.any(-1, keepdim=True)
+        if empty.any():
+            mean = repeat_kv(value.float().mean(-2, keepdim=True), module.num_key_value_groups).to(query.dtype)
+            out = torch.where(empty, mean, out)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        groups = module.num_key_value_groups
+        out = _SdpaBackward.apply(query, repeat_kv(key, groups), repeat_kv(value, groups), out,
+                                  logsumexp.expand(query.shape[:-1]).contiguous(),
+                                  None if mask is None else mask.to(query.dtype), scaling)
+    return out.transpose(1, 2).contiguous(), p
 
 
 KERNELS = {"fp32": fp32_attention, "flash": flash_attention, "p_bf16": p_bf16_attention, "eager": eager_attention,

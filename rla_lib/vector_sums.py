@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import native
+
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
@@ -37,8 +39,11 @@ def lane_tree_sum(lanes: torch.Tensor) -> torch.Tensor:
 def square_sum(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Σx² over the last dim of an FP32 tensor as inductor's vectorised reduction adds it, `layout` "vec<N>x<W>": N
     registers of W lanes take the row in steps of N·W elements (one add per lane per step, in row order), then the
-    registers are added in order and the lanes paired down (`lane_tree_sum`)."""
+    registers are added in order and the lanes paired down (`lane_tree_sum`). In C where it compiles
+    (`rla_lib.native`), else as the loop of torch ops below: the same bits."""
     registers, width = map(int, layout.removeprefix("vec").split("x"))
+    if native.library() is not None:
+        return native.square_sum(x, registers, width)
     n = x.shape[-1]
     steps = torch.nn.functional.pad(x, (0, -n % (registers * width))).unflatten(-1, (-1, registers * width))
     acc = steps[..., 0, :] * steps[..., 0, :]

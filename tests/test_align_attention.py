@@ -236,7 +236,8 @@ def test_padding_gets_no_weight_and_rows_match_their_unpadded_reference(family, 
     """Padded keys get probability exactly 0 (exp underflows), so each row's real positions are its unpadded
     sequence's attention; only the FP32 summation order differs, hence the reference interval, not bitwise."""
     module, (q, k, v), masks, _ = attention_inputs(family)
-    out, p = KERNEL_FUNCTIONS[kernel](module, q, k, v, masks["boolean"], module.scaling)
+    options = {"weights": True} if kernel == "vllm_cpu" else {}  # (it returns no weights unless asked)
+    out, p = KERNEL_FUNCTIONS[kernel](module, q, k, v, masks["boolean"], module.scaling, **options)
     mask = masks["boolean"].expand_as(p)
     attending = mask.any(-1, keepdim=True).expand_as(p)  # left-padded query positions attend to nothing
     assert torch.equal(p[~mask & attending], torch.zeros_like(p[~mask & attending]))

@@ -1,0 +1,126 @@
+"""The kernel-order loops of `vector_sums.square_sum` and `attention.vllm_cpu_attention` in C (native_kernels.c), for
+speed: the torch-op versions take a Python loop of small tensor ops per element of the sum (+400% on a forward+backward
+at 8 layers, `benchmarks/align_overhead.py`). Same operations in the same order, so the same bits (tests/test_native.py).
+
+Compiled once per machine with the system C compiler into `.cache/native/` (about a second); where there is none, or
+`RLA_NATIVE=0`, `library()` is None and the callers run their torch-op loops, with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .paths import ROOT
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+CACHE_DIR = ROOT / ".cache" / "native"
+# No contraction of a·b + c into a fused multiply-add unless the source writes fmaf, no reassociation: the order the
+# source spells is the order the bits come from. -march=native makes fmaf one instruction (else a libm call);
+# no traps or errno (flags only, never values) lets floorf vectorise.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fno-math-errno",
+         "-std=c11", "-shared", "-fPIC"]
+
+
+def _cpu_id() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no C compiler, a failed build, or RLA_NATIVE=0) with a warning saying so."""
+    if os.environ.get("RLA_NATIVE", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        warnings.warn("rla_lib.native: no C compiler (cc): the kernel-order sums run as loops of torch ops, the same "
+                      "bits, several times slower. Install gcc (apt-get install gcc) for the fast path.", stacklevel=2)
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    path = CACHE_DIR / f"kernels-{key}.so"
+    if not path.exists():  # built under a name of its own, then renamed: parallel test workers may build at once
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.so")
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+                           text=True)
+            os.replace(tmp, path)
+        except subprocess.CalledProcessError as error:
+            warnings.warn(f"rla_lib.native: compiling {SOURCE.name} failed, the torch-op loops run instead (same bits, "
+                          f"slower):\n{error.stderr}", stacklevel=2)
+            return None
+        finally:
+            tmp.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.square_sum.argtypes = [ptr, i64, i64, i64, i64, ptr]
+    lib.square_sum.restype = None
+    lib.attention_spans.argtypes = [ptr, i64, i64, ptr]
+    lib.attention_spans.restype = None
+    lib.vllm_cpu_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.vllm_cpu_attention.restype = ctypes.c_int
+    return lib
+
+
+def _parallel(n: int, run) -> None:
+    """run(begin, end) over [0, n) split across torch's thread count (ctypes releases the GIL during the call)."""
+    threads = max(1, min(torch.get_num_threads(), n))
+    bounds = [n * i // threads for i in range(threads + 1)]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, bounds[:-1], bounds[1:]))
+
+
+def square_sum(x: torch.Tensor, registers: int, width: int) -> torch.Tensor:
+    """`vector_sums.square_sum` of an FP32 tensor over its last dim, in C."""
+    rows = x.detach().float().contiguous().view(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.float32)
+    row_bytes, out_bytes = rows.shape[1] * 4, 4
+
+    def run(begin, end):
+        library().square_sum(rows.data_ptr() + begin * row_bytes, end - begin, rows.shape[1], registers, width,
+                             out.data_ptr() + begin * out_bytes)
+
+    _parallel(rows.shape[0], run) if rows.numel() > 1 << 16 else run(0, rows.shape[0])
+    return out.view(x.shape[:-1])
+
+
+def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attended: torch.Tensor,
+                       weights: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`attention._vllm_cpu_forward`'s loops in C: scaled FP32 q (B, H, T, D), FP32 k/v (B, KV, S, D) (KV divides H),
+    `attended` (B, 1|H, T, S) bool. Returns the FP32 output before rounding, each row's log-sum-exp (+inf where it
+    attends to nothing) and, with `weights`, p/Σp (B, H, T, S) (else None: writing it costs as much as the rest)."""
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
+    mask = attended.contiguous()  # bool: one byte, 0 or 1
+    span = torch.empty(mask.shape[:-1] + (2,), dtype=torch.int64)
+    library().attention_spans(mask.data_ptr(), mask.numel() // keys, keys, span.data_ptr())
+    # the row sum's 16 lanes count from the sequence's first position (its first slot in the KV cache)
+    start = span[..., 0].flatten(1).amin(1).contiguous()
+    out = torch.empty(batch, heads, length, dim, dtype=torch.float32)
+    logsumexp = torch.empty(batch, heads, length, dtype=torch.float32)
+    p = torch.empty(batch, heads, length, keys, dtype=torch.float32) if weights else None
+
+    def run(begin, end):
+        failed = library().vllm_cpu_attention(
+            q.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), span.data_ptr(), start.data_ptr(), heads,
+            kv_heads, mask.shape[1], length, keys, dim, begin, end, out.data_ptr(), logsumexp.data_ptr(),
+            None if p is None else p.data_ptr())
+        if failed:
+            raise MemoryError("rla_lib.native.vllm_cpu_attention: out of memory for its buffers")
+
+    _parallel(batch * heads, run)
+    return out, logsumexp, p

@@ -1,0 +1,214 @@
+/* Kernel-order FP32 math of rla_lib.vector_sums and rla_lib.attention, in C for speed. Every operation here is the
+ * one the torch-op version in those modules performs, in the same order, so the bits are the same (tested): compiled
+ * with -ffp-contract=off (no multiply-add fused unless written as fmaf) and without -ffast-math (no reassociation).
+ * Loops over independent lanes, rows and keys are free to vectorise; loops that accumulate stay sequential. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One vector register of W floats, and its exact fused multiply-add (a·b + c rounded once, per lane). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vec;
+enum { W = 16 };
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, x) _mm512_storeu_ps(p, x)
+#define vbroadcast(x) _mm512_set1_ps(x)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vec;
+enum { W = 8 };
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, x) _mm256_storeu_ps(p, x)
+#define vbroadcast(x) _mm256_set1_ps(x)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#else
+typedef float vec;
+enum { W = 1 };
+#define vzero() 0.0f
+#define vload(p) (*(p))
+#define vstore(p, x) (*(p) = (x))
+#define vbroadcast(x) (x)
+#define vfma(a, b, c) fmaf(a, b, c)
+#define vmax(a, b) ((a) > (b) ? (a) : (b))
+#endif
+
+/* Σx² of each row of x (rows, n), as inductor's vectorised reduction adds it: `registers` registers of `width` lanes
+ * take the row in steps of registers·width elements (the square rounded, then added, per lane), the registers are
+ * added in order, the lanes paired down (upper half onto lower half). vector_sums.square_sum. */
+void square_sum(const float *x, int64_t rows, int64_t n, int64_t registers, int64_t width, float *out) {
+    const int64_t step = registers * width;
+    float acc[256], lanes[256];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        for (int64_t j = 0; j < step; j++) {
+            const float v = j < n ? row[j] : 0.0f;
+            acc[j] = v * v;
+        }
+        for (int64_t i = step; i < n; i += step)
+            for (int64_t j = 0; j < step; j++) {
+                const float v = i + j < n ? row[i + j] : 0.0f;
+                acc[j] = acc[j] + v * v;
+            }
+        for (int64_t j = 0; j < width; j++) lanes[j] = acc[j];
+        for (int64_t k = 1; k < registers; k++)
+            for (int64_t j = 0; j < width; j++) lanes[j] = lanes[j] + acc[k * width + j];
+        for (int64_t half = width / 2; half >= 1; half /= 2)
+            for (int64_t j = 0; j < half; j++) lanes[j] = lanes[half + j] + lanes[j];
+        out[r] = lanes[0];
+    }
+}
+
+/* vLLM's AVX-512 fast_exp (csrc/cpu/cpu_attn_macros.h), as attention.vllm_fast_exp; branch-free, so loops over it
+ * vectorise (min/max and the select are exact, whatever instructions they become). */
+static inline float fast_exp(float x) {
+    const float log2e = 0x1.7154760000000p+0f, ln2 = 0x1.62e4300000000p-1f; /* bits 0x3FB8AA3B, 0x3F317218 */
+    const float ln_flt_min = -0x1.5d58a00000000p+6f, ln_flt_max = 0x1.62e4300000000p+6f; /* 0xC2AEAC50, 0x42B17218 */
+    const float clamped = x < ln_flt_max ? x : ln_flt_max;
+    const float src = clamped > ln_flt_min ? clamped : ln_flt_min;
+    const float fx = floorf(fmaf(src, log2e, 0.5f));
+    const float r = fmaf(-fx, ln2, src);
+    float poly = fmaf(r, (float)0.00828929059, (float)0.0418978221);
+    poly = fmaf(r, poly, (float)0.166676521);
+    poly = fmaf(r, poly, (float)0.499991506);
+    poly = fmaf(r, poly, (float)0.999999701);
+    poly = fmaf(r, poly, 1.0f);
+    const union { uint32_t bits; float value; } two_n = {(uint32_t)((int32_t)(fx - 1.0f) + 127) << 23};
+    return poly * (x < ln_flt_min ? 0.0f : two_n.value) * 2.0f;
+}
+
+enum { ROW_BLOCK = 8, LANES = 16 };
+
+static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* Each row of attended (rows, S) bytes: its first attended key and last + 1 into span (rows, 2); (S, S) where none. */
+void attention_spans(const uint8_t *attended, int64_t rows, int64_t S, int64_t *span) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *m = attended + r * S;
+        int64_t lo = 0, hi = S;
+        while (lo < S && !m[lo]) lo++;
+        while (hi > lo && !m[hi - 1]) hi--;
+        span[2 * r] = lo;
+        span[2 * r + 1] = lo == S ? S : hi;
+    }
+}
+
+/* vLLM's CPU attention forward for heads [bh_begin, bh_end) of q (B·H, T, D) (FP32, already scaled) and k, v
+ * (B·KV, S, D) (FP32; query head h reads key/value head h / (H / KV)), attended (B, Hm, T, S) bytes (Hm is 1 or H),
+ * span (B, Hm, T, 2) from attention_spans, start (B): each sequence's first key position (the origin of the row sum's
+ * 16 lanes). Writes out (B·H, T, D) = (1/Σp)·Σ p·v before rounding, logsumexp (B·H, T) = max + log Σp and, unless
+ * p_out is NULL, p_out (B·H, T, S) = p/Σp.
+ * As attention._vllm_cpu_forward: q·kᵀ and P·V as sequential fmaf chains, keys outside a row's attended span skipped
+ * (their p is 0: adding 0 or fmaf(0, v, acc) leaves every partial sum's bits as they are). Blocks of 8 query rows and
+ * W keys (or W output dims) accumulate in registers: the chains' order is the same, only interleaved. */
+int vllm_cpu_attention(const float *q, const float *k, const float *v, const uint8_t *attended, const int64_t *span,
+                       const int64_t *start, int64_t H, int64_t KV, int64_t Hm, int64_t T, int64_t S, int64_t D,
+                       int64_t bh_begin, int64_t bh_end, float *out, float *logsumexp, float *p_out) {
+    const int64_t S16 = round_up(S, LANES), D16 = round_up(D, LANES), stride = S16 + 2 * LANES;
+    float *scores = malloc(sizeof(float) * ROW_BLOCK * stride), *qb = malloc(sizeof(float) * ROW_BLOCK * D);
+    /* the current key/value head: keys transposed (D, S16), values (S, D16), zero-padded to whole vectors */
+    float *kh = calloc(D * S16, sizeof(float)), *vh = calloc(S * D16, sizeof(float));
+    if (!scores || !qb || !kh || !vh) {
+        free(scores), free(qb), free(kh), free(vh);
+        return 1;
+    }
+    int64_t loaded = -1;
+    for (int64_t bh = bh_begin; bh < bh_end; bh++) {
+        const int64_t b = bh / H, h = Hm == 1 ? 0 : bh % H, kv = b * KV + bh % H / (H / KV);
+        if (kv != loaded) {
+            for (int64_t s = 0; s < S; s++)
+                for (int64_t d = 0; d < D; d++) {
+                    kh[d * S16 + s] = k[(kv * S + s) * D + d];
+                    vh[s * D16 + d] = v[(kv * S + s) * D + d];
+                }
+            loaded = kv;
+        }
+        const float *qh = q + bh * T * D;
+        const uint8_t *mh = attended + (b * Hm + h) * T * S;
+        for (int64_t t0 = 0; t0 < T; t0 += ROW_BLOCK) {
+            const int64_t rows = T - t0 < ROW_BLOCK ? T - t0 : ROW_BLOCK;
+            const int64_t *lo = span + ((b * Hm + h) * T + t0) * 2, *hi = lo + 1; /* lo[2 * i], hi[2 * i] */
+            int64_t block_lo = S, block_hi = 0;
+            for (int64_t i = 0; i < rows; i++) {
+                if (lo[2 * i] < block_lo) block_lo = lo[2 * i];
+                if (hi[2 * i] > block_hi) block_hi = hi[2 * i];
+            }
+            memset(qb, 0, sizeof(float) * ROW_BLOCK * D);
+            memcpy(qb, qh + t0 * D, sizeof(float) * rows * D);
+            /* q·kᵀ: one fused multiply-add per head dimension, in order (8 rows × W keys in registers) */
+            for (int64_t s0 = block_lo / W * W; s0 < block_hi; s0 += W) {
+                vec a[ROW_BLOCK];
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vzero();
+                for (int64_t d = 0; d < D; d++) {
+                    const vec k = vload(kh + d * S16 + s0);
+#pragma GCC unroll 8
+                    for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vfma(vbroadcast(qb[i * D + d]), k, a[i]);
+                }
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(scores + i * stride + LANES + s0, a[i]);
+            }
+            float inverse[ROW_BLOCK];
+            /* the row sum's lanes count from start[b]: sum over whole 16-key groups from there, zeros around the block */
+            const int64_t group_lo = start[b] + (block_lo - start[b]) / LANES * LANES;
+            const int64_t group_hi = block_hi + (LANES - (block_hi - start[b]) % LANES) % LANES;
+            for (int64_t i = 0; i < rows; i++) {
+                const uint8_t *m = mh + (t0 + i) * S;
+                float *row = scores + i * stride + LANES; /* the buffer has 16 floats of room on either side */
+                /* masked keys score -inf: excluded from the max, and fast_exp(-inf) is exactly 0 */
+                for (int64_t s = block_lo; s < block_hi; s++)
+                    row[s] = s >= lo[2 * i] && s < hi[2 * i] && m[s] ? row[s] : -INFINITY;
+                vec maxima = vbroadcast(-INFINITY);
+                int64_t s = block_lo;
+                for (; s + W <= block_hi; s += W) maxima = vmax(maxima, vload(row + s));
+                float row_max = -INFINITY, lanes_max[W];
+                vstore(lanes_max, maxima);
+                for (int64_t j = 0; j < W; j++) row_max = lanes_max[j] > row_max ? lanes_max[j] : row_max;
+                for (; s < block_hi; s++) row_max = row[s] > row_max ? row[s] : row_max;
+                if (!isfinite(row_max)) row_max = 0.0f; /* a row that attends to nothing */
+                for (int64_t s = block_lo; s < block_hi; s++) row[s] = fast_exp(row[s] - row_max);
+                for (int64_t s = group_lo; s < block_lo; s++) row[s] = 0.0f;
+                for (int64_t s = block_hi; s < group_hi; s++) row[s] = 0.0f;
+                float lanes[LANES] = {0};
+                for (int64_t s = group_lo; s < group_hi; s += LANES)
+                    for (int64_t j = 0; j < LANES; j++) lanes[j] = lanes[j] + row[s + j];
+                for (int64_t half = LANES / 2; half >= 1; half /= 2)
+                    for (int64_t j = 0; j < half; j++) lanes[j] = lanes[half + j] + lanes[j];
+                inverse[i] = (float)(1.0 / (double)lanes[0]);
+                /* for the backward: +inf where the row attends to nothing (no gradient) */
+                logsumexp[bh * T + t0 + i] = lanes[0] > 0.0f ? row_max + logf(lanes[0]) : INFINITY;
+            }
+            for (int64_t i = rows; i < ROW_BLOCK; i++) /* rows past T: p = 0 */
+                memset(scores + i * stride + LANES + block_lo, 0, sizeof(float) * (block_hi > block_lo ? block_hi - block_lo : 0));
+            /* P·V: one fused multiply-add per key, in order */
+            for (int64_t d0 = 0; d0 < D16; d0 += W) { /* 8 rows × W dims in registers */
+                vec a[ROW_BLOCK];
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vzero();
+                for (int64_t s = block_lo; s < block_hi; s++) {
+                    const vec vs = vload(vh + s * D16 + d0);
+#pragma GCC unroll 8
+                    for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vfma(vbroadcast(scores[i * stride + LANES + s]), vs, a[i]);
+                }
+                float lanes[ROW_BLOCK][W];
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(lanes[i], a[i]);
+                for (int64_t i = 0; i < rows; i++)
+                    for (int64_t j = 0; j < W && d0 + j < D; j++) out[(bh * T + t0 + i) * D + d0 + j] = inverse[i] * lanes[i][j];
+            }
+            for (int64_t i = 0; i < rows && p_out; i++) {
+                float *po = p_out + (bh * T + t0 + i) * S;
+                const float *row = scores + i * stride + LANES;
+                for (int64_t s = 0; s < S; s++) po[s] = (s >= block_lo && s < block_hi ? row[s] : 0.0f) * inverse[i];
+            }
+        }
+    }
+    free(scores), free(qb), free(kh), free(vh);
+    return 0;
+}

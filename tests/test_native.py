@@ -1,0 +1,112 @@
+"""rla_lib.native: the C kernels give the bits of the torch-op loops they replace (vector_sums.square_sum, the
+vLLM CPU attention forward), on random data with padding, sliding windows, GQA and rows that attend to nothing."""
+
+import types
+
+import pytest
+import torch
+
+from rla_lib import attention as rla_attention
+from rla_lib import native, vector_sums
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the torch-op loops are the only path")
+
+
+def torch_ops(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+
+
+@pytest.mark.parametrize("layout", ["vec2x16", "vec1x16", "vec2x8", "vec1x8"])
+@pytest.mark.parametrize("n", [5, 32, 100, 1024])
+def test_square_sum_bitwise_the_torch_loop(monkeypatch, layout, n):
+    x = torch.randn(3, 70, n, generator=torch.Generator().manual_seed(n)) * 3
+    fast = vector_sums.square_sum(x, layout)
+    torch_ops(monkeypatch)
+    slow = vector_sums.square_sum(x, layout)
+    assert fast.shape == slow.shape == x.shape[:-1]
+    assert torch.equal(fast, slow)
+    assert not torch.equal(fast, x.pow(2).sum(-1)) or n <= 8  # a test that can fail: torch's order differs
+
+
+def random_attention(batch=3, heads=4, length=37, keys=None, dim=64, kv_heads=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = keys or length
+    q = torch.randn(batch, heads, length, dim, generator=g).bfloat16()
+    k, v = (torch.randn(batch, kv_heads or heads, keys, dim, generator=g).bfloat16() for _ in range(2))
+    return q, k * 2, v
+
+
+def causal(batch, length, left_padding=(), window=None):
+    attended = torch.ones(length, length, dtype=torch.bool).tril()
+    if window:
+        attended &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)
+    attended = attended.expand(batch, 1, length, length).clone()
+    for row, pad in enumerate(left_padding):
+        attended[row, :, :, :pad] = False
+        attended[row, :, :pad, :] = False  # padding queries attend to nothing
+    return attended
+
+
+@pytest.mark.parametrize("case", ["causal", "left-padded", "sliding-window", "per-head", "one-query", "GQA", "odd-dim"])
+def test_vllm_cpu_forward_bitwise_the_torch_loop(monkeypatch, case):
+    q, k, v = random_attention(length=1 if case == "one-query" else 37, keys=37, seed=len(case),
+                               kv_heads=2 if case == "GQA" else None, dim=40 if case == "odd-dim" else 64)
+    if case == "one-query":
+        attended = torch.ones(3, 1, 1, 37, dtype=torch.bool)
+    elif case == "per-head":
+        attended = causal(3, 37).expand(3, 4, 37, 37) & (torch.rand(3, 4, 37, 37) > 0.2)
+    else:
+        attended = causal(3, 37, left_padding=(0, 5, 19) if case == "left-padded" else (),
+                          window=9 if case == "sliding-window" else None)
+    fast_out, fast_lse, fast_p = rla_attention._vllm_cpu_forward(q, k, v, attended, 0.125, weights=True)
+    assert torch.equal(rla_attention._vllm_cpu_forward(q, k, v, attended, 0.125)[0].nan_to_num(), fast_out.nan_to_num())
+    torch_ops(monkeypatch)
+    slow_out, slow_lse, slow_p = rla_attention._vllm_cpu_forward(q, k, v, attended, 0.125, weights=True)
+    # the log-sum-exp (read by the backward only): C's logf and torch's log, each within an ulp of the true value
+    assert torch.equal(fast_lse.isinf(), slow_lse.isinf()) and torch.equal(fast_lse.isinf(), ~attended.any(-1).expand(3, 4, -1))
+    torch.testing.assert_close(fast_lse, slow_lse, rtol=1e-6, atol=1e-6)
+    assert fast_out.dtype == slow_out.dtype == torch.bfloat16
+    assert torch.equal(fast_out, slow_out) or torch.equal(fast_out.isnan(), slow_out.isnan()) and torch.equal(
+        fast_out.nan_to_num(), slow_out.nan_to_num())
+    assert torch.equal(fast_p.nan_to_num(), slow_p.nan_to_num()) and torch.equal(fast_p.isnan(), slow_p.isnan())
+    assert torch.isfinite(fast_out[attended.any(-1).expand(3, 4, -1)]).all()
+
+
+def test_vllm_cpu_forward_differs_from_torch_matmul_order():
+    """The C path is not merely FP32 attention in torch's order: the fused multiply-add chains change bits."""
+    q, k, v = random_attention(length=64, dim=128)
+    attended = causal(3, 64)
+    out, _, _ = rla_attention._vllm_cpu_forward(q, k, v, attended, 0.125)
+    scores = (q.float() * 0.125) @ k.float().transpose(-1, -2)
+    reference = (scores.masked_fill(~attended, float("-inf")).softmax(-1) @ v.float()).bfloat16()
+    assert not torch.equal(out, reference)
+    assert (out.float() - reference.float()).abs().max() < 0.02  # the same function: within a few BF16 ulps
+
+
+def test_sdpa_backward_at_given_output_is_torch_sdpa_gradient():
+    """The wiring of vllm_cpu's backward: given SDPA's own output and log-sum-exp, the gradient is autograd's through
+    torch's SDPA, bit for bit (left-padded rows included)."""
+    q, k, v = (t.requires_grad_() for t in random_attention(kv_heads=4, dim=32))
+    additive = torch.where(causal(3, 37, left_padding=(0, 5, 19)), 0.0, torch.finfo(torch.bfloat16).min).bfloat16()
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=0.125),
+                                   (q, k, v), grad_out)
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive, scale=0.125)
+    got = torch.autograd.grad(rla_attention._SdpaBackward.apply(q, k, v, out.detach(), logsumexp, additive, 0.125),
+                              (q, k, v), grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_vllm_cpu_gradient_is_the_stock_sdpa_gradient_within_rounding():
+    """At the engine's output (a few BF16 ulps from SDPA's), the gradient stays SDPA's to within that difference."""
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    q, k, v = (t.requires_grad_() for t in random_attention(kv_heads=2, dim=32))
+    attended = causal(3, 37)
+    grad_out = torch.randn(3, 37, 4, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out, _ = rla_attention.vllm_cpu_attention(module, q, k, v, attended, 0.125)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=0.125, enable_gqa=True)
+    expected = torch.autograd.grad(reference.transpose(1, 2), (q, k, v), grad_out)
+    for a, b in zip(got, expected):
+        assert (a.float() - b.float()).norm() < 0.01 * b.float().norm()
+    assert not all(torch.equal(a, b) for a, b in zip(got, expected))  # not SDPA's own forward: the engine's output
