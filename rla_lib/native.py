@@ -52,15 +52,15 @@ def library() -> ctypes.CDLL | None:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"kernels-{key}.so"
     if not path.exists():  # built under a name of its own, then renamed: parallel test workers may build at once
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.so")
         try:
+            CACHE_DIR.mkdir(parents=True, exist_ok=True)
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                            text=True)
             os.replace(tmp, path)
-        except subprocess.CalledProcessError as error:
-            warnings.warn(f"rla_lib.native: compiling {SOURCE.name} failed, the torch-op loops run instead (same bits, "
-                          f"slower):\n{error.stderr}", stacklevel=2)
+        except (OSError, subprocess.CalledProcessError) as error:
+            warnings.warn(f"rla_lib.native: building {SOURCE.name} into {CACHE_DIR} failed, the torch-op loops run "
+                          f"instead (same bits, slower):\n{getattr(error, 'stderr', None) or error}", stacklevel=2)
             return None
         finally:
             tmp.unlink(missing_ok=True)
