@@ -236,17 +236,17 @@ class _SdpaBackward(torch.autograd.Function):
     forward it would have run is not needed."""
 
     @staticmethod
-    def forward(ctx, query, key, value, out, logsumexp, mask, scale):
+    def forward(ctx, query, key, value, out, logsumexp, mask, scale, is_causal=False):
         ctx.save_for_backward(query, key, value, out, logsumexp, mask)
-        ctx.scale = scale
+        ctx.scale, ctx.is_causal = scale, is_causal
         return out.clone()
 
     @staticmethod
     def backward(ctx, grad):
         query, key, value, out, logsumexp, mask = ctx.saved_tensors
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), query, key, value, out, logsumexp, 0.0, False, attn_mask=mask, scale=ctx.scale)
-        return *grads, None, None, None, None
+            grad.contiguous(), query, key, value, out, logsumexp, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
+        return *grads, None, None, None, None, None
 
 
 def vllm_cpu_attention(
@@ -274,9 +274,11 @@ def vllm_cpu_attention(
             out = torch.where(empty, mean, out)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         groups = module.num_key_value_groups
+        # no mask from Transformers and as many queries as keys: plain causal, which SDPA's backward knows to skip
+        causal = attention_mask is None and mask is not None and query.shape[2] == key.shape[2]
         out = _SdpaBackward.apply(query, repeat_kv(key, groups), repeat_kv(value, groups), out,
                                   logsumexp.expand(query.shape[:-1]).contiguous(),
-                                  None if mask is None else mask.to(query.dtype), scaling)
+                                  None if mask is None or causal else mask.to(query.dtype), scaling, causal)
     return out.transpose(1, 2).contiguous(), p
 
 

@@ -75,25 +75,25 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="rla-native")
+
+
 def _parallel(n: int, run) -> None:
     """run(begin, end) over [0, n) split across torch's thread count (ctypes releases the GIL during the call)."""
     threads = max(1, min(torch.get_num_threads(), n))
+    if threads == 1:
+        return run(0, n)
     bounds = [n * i // threads for i in range(threads + 1)]
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(run, bounds[:-1], bounds[1:]))
+    list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
 
 
 def square_sum(x: torch.Tensor, registers: int, width: int) -> torch.Tensor:
-    """`vector_sums.square_sum` of an FP32 tensor over its last dim, in C."""
+    """`vector_sums.square_sum` of an FP32 tensor over its last dim, in C (one thread: a single pass over memory)."""
     rows = x.detach().float().contiguous().view(-1, x.shape[-1])
     out = torch.empty(rows.shape[0], dtype=torch.float32)
-    row_bytes, out_bytes = rows.shape[1] * 4, 4
-
-    def run(begin, end):
-        library().square_sum(rows.data_ptr() + begin * row_bytes, end - begin, rows.shape[1], registers, width,
-                             out.data_ptr() + begin * out_bytes)
-
-    _parallel(rows.shape[0], run) if rows.numel() > 1 << 16 else run(0, rows.shape[0])
+    library().square_sum(rows.data_ptr(), rows.shape[0], rows.shape[1], registers, width, out.data_ptr())
     return out.view(x.shape[:-1])
 
 
