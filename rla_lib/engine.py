@@ -268,6 +268,8 @@ class Engine:
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=-1 if full else 0,
                 stop_token_ids=[self.spec.eos_token_id], flat_logprobs=True,
+                detokenize=False,  # vLLM would decode every token and every logprob's token as it goes: once below
+
                 extra_args={"logit_noise": float(logit_noise)} if logit_noise else None,
             )
             for i in range(len(prompt_ids))
@@ -286,7 +288,9 @@ class Engine:
                     dist = np.full((len(response), self.spec.vocab_size), -np.inf, dtype=np.float32)
                     for t, (s, e) in enumerate(zip(lp.start_indices, lp.end_indices)):
                         dist[t, lp.token_ids[s + 1 : e]] = lp.logprobs[s + 1 : e]
-                group.append(Sample(ids, response, logprobs, c.text, c.finish_reason == "stop", dist))
+                finished = c.finish_reason == "stop"  # on the end-of-text token, whose text vLLM leaves out
+                text = self.tokenizer.decode(response[:-1] if finished else response, skip_special_tokens=True)
+                group.append(Sample(ids, response, logprobs, text, finished, dist))
             groups.append(group)
         return groups
 

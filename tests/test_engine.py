@@ -43,7 +43,21 @@ def test_generation_logprobs_equal_scoring_logprobs(compiled_engine):
         np.testing.assert_allclose(np.exp(sc.full).sum(-1), 1.0, atol=1e-5)  # FP32 logprobs: 1 within ~2e-6
         np.testing.assert_array_equal(sc.full[np.arange(len(s.ids) - 1), s.ids[1:]], sc.token_logprobs)
         assert s.finished == (s.response_ids[-1] == compiled_engine.spec.eos_token_id)
-        assert s.text == compiled_engine.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+
+
+def test_text_is_the_text_of_vllms_detokenizer(compiled_engine):
+    """sample() turns vLLM's incremental detokenization off (it decodes every token and, with logprobs, every
+    logprob's token) and decodes each response once: the same tokens, the same text."""
+    groups = compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=5)
+    vllm, eos = compiled_engine._vllm, compiled_engine.spec.eos_token_id
+    outputs = compiled_engine.llm.generate(
+        [vllm.TokensPrompt(prompt_token_ids=g[0].prompt_ids) for g in groups],
+        [vllm.SamplingParams(n=2, max_tokens=24, seed=5 + i, stop_token_ids=[eos]) for i in range(len(groups))],
+        use_tqdm=False)
+    for group, out in zip(groups, outputs):
+        assert [s.response_ids for s in group] == [list(c.token_ids) for c in out.outputs]
+        assert [s.text for s in group] == [c.text for c in out.outputs]
+    assert any(s.finished for g in groups for s in g) and all(s.text for g in groups for s in g)
 
 
 def test_full_sampling_distributions_and_logit_noise(compiled_engine):
