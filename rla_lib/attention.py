@@ -17,8 +17,8 @@ output once. The kernels here have the signature of Transformers' attention func
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
   reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02
   per-op check and tests/test_engine_align.py); its backward is that of torch's fused SDPA kernel in the model
-  dtype, as the stock model trains (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`) where a C
-  compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, several times slower).
+  dtype (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`)
+  where a C compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, slower).
 
 Each reads the mask Transformers built for the model's `attn_implementation` and adds it as eager
 attention does (see `additive_mask`); sliding windows and padding are in that mask. The engine has no
@@ -254,9 +254,9 @@ def vllm_cpu_attention(
     weights: bool = False, **kwargs
 ):
     """vLLM's CPU attention kernel bit for bit in the forward (see the module docstring); the backward is that of
-    torch's fused SDPA kernel in the model dtype (the stock model's), at this output. Query rows that attend to nothing
-    (left padding; no engine computes them) give the mean of the values, as the other kernels do, and no gradient. Returns the output and, as Transformers' sdpa
-    and flash kernels do, no weights (None); with `weights=True` the normalised FP32 P."""
+    torch's fused SDPA kernel in the model dtype, at this output. Query rows that attend to nothing (left padding; no
+    engine computes them) give the mean of the values, as the other kernels do, and no gradient. Returns the output
+    and, as Transformers' sdpa and flash kernels do, no weights (None); with `weights=True` the normalised FP32 P."""
     if query.device.type != "cpu":
         raise ValueError(f"attention='vllm_cpu' is vLLM's CPU kernel; this model is on {query.device.type}: "
                          "use the numerics the probe reads for that engine (e.g. 'flash').")
@@ -277,7 +277,7 @@ def vllm_cpu_attention(
         # no mask from Transformers and as many queries as keys: plain causal, which SDPA's backward knows to skip
         causal = attention_mask is None and mask is not None and query.shape[2] == key.shape[2]
         out = _SdpaBackward.apply(query, repeat_kv(key, groups), repeat_kv(value, groups), out,
-                                  logsumexp.expand(query.shape[:-1]).contiguous(),
+                                  logsumexp.contiguous(),
                                   None if mask is None or causal else mask.to(query.dtype), scaling, causal)
     return out.transpose(1, 2).contiguous(), p
 

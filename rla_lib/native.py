@@ -1,6 +1,7 @@
 """The kernel-order loops of `vector_sums.square_sum` and `attention.vllm_cpu_attention` in C (native_kernels.c), for
-speed: the torch-op versions take a Python loop of small tensor ops per element of the sum (+400% on a forward+backward
-at 8 layers, `benchmarks/align_overhead.py`). Same operations in the same order, so the same bits (tests/test_native.py).
+speed: the torch-op versions take a Python loop of small tensor ops per element of the sum (+400% on a
+forward+backward at 8 layers, `benchmarks/align_overhead.py`). Same operations in the same order, so the same bits
+(tests/test_native.py).
 
 Compiled once per machine with the system C compiler into `.cache/native/` (about a second); where there is none, or
 `RLA_NATIVE=0`, `library()` is None and the callers run their torch-op loops, with a warning.
@@ -70,7 +71,7 @@ def library() -> ctypes.CDLL | None:
     lib.square_sum.restype = None
     lib.attention_spans.argtypes = [ptr, i64, i64, ptr]
     lib.attention_spans.restype = None
-    lib.vllm_cpu_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.vllm_cpu_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ptr] * 3
     lib.vllm_cpu_attention.restype = ctypes.c_int
     return lib
 

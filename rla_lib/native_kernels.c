@@ -102,11 +102,11 @@ void attention_spans(const uint8_t *attended, int64_t rows, int64_t S, int64_t *
 /* vLLM's CPU attention forward for heads [bh_begin, bh_end) of q (B·H, T, D) (FP32, already scaled) and k, v
  * (B·KV, S, D) (FP32; query head h reads key/value head h / (H / KV)), attended (B, Hm, T, S) bytes (Hm is 1 or H),
  * span (B, Hm, T, 2) from attention_spans, start (B): each sequence's first key position (the origin of the row sum's
- * 16 lanes). Writes out (B·H, T, D) = (1/Σp)·Σ p·v before rounding, logsumexp (B·H, T) = max + log Σp and, unless
- * p_out is NULL, p_out (B·H, T, S) = p/Σp.
- * As attention._vllm_cpu_forward: q·kᵀ and P·V as sequential fmaf chains, keys outside a row's attended span skipped
- * (their p is 0: adding 0 or fmaf(0, v, acc) leaves every partial sum's bits as they are). Blocks of 8 query rows and
- * W keys (or W output dims) accumulate in registers: the chains' order is the same, only interleaved. */
+ * 16 lanes). Writes out (B·H, T, D) = (1/Σp)·Σ p·v before rounding, logsumexp (B·H, T) = max + log Σp and,
+ * unless p_out is NULL, p_out (B·H, T, S) = p/Σp.
+ * As attention._vllm_cpu_forward: q·kᵀ and P·V as sequential fmaf chains, keys outside a row's attended span
+ * skipped (their p is 0: adding 0 or fmaf(0, v, acc) leaves every partial sum's bits as they are). Blocks of 8
+ * query rows and W keys (or W output dims) accumulate in registers: the chains' order is the same, interleaved. */
 int vllm_cpu_attention(const float *q, const float *k, const float *v, const uint8_t *attended, const int64_t *span,
                        const int64_t *start, int64_t H, int64_t KV, int64_t Hm, int64_t T, int64_t S, int64_t D,
                        int64_t bh_begin, int64_t bh_end, float *out, float *logsumexp, float *p_out) {
@@ -155,7 +155,7 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(scores + i * stride + LANES + s0, a[i]);
             }
             float inverse[ROW_BLOCK];
-            /* the row sum's lanes count from start[b]: sum over whole 16-key groups from there, zeros around the block */
+            /* the row sum's lanes count from start[b]: whole 16-key groups from there, zeros around the block */
             const int64_t group_lo = start[b] + (block_lo - start[b]) / LANES * LANES;
             const int64_t group_hi = block_hi + (LANES - (block_hi - start[b]) % LANES) % LANES;
             for (int64_t i = 0; i < rows; i++) {
@@ -185,7 +185,7 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 logsumexp[bh * T + t0 + i] = lanes[0] > 0.0f ? row_max + logf(lanes[0]) : INFINITY;
             }
             for (int64_t i = rows; i < ROW_BLOCK; i++) /* rows past T: p = 0 */
-                memset(scores + i * stride + LANES + block_lo, 0, sizeof(float) * (block_hi > block_lo ? block_hi - block_lo : 0));
+                for (int64_t s = block_lo; s < block_hi; s++) scores[i * stride + LANES + s] = 0.0f;
             /* P·V: one fused multiply-add per key, in order */
             for (int64_t d0 = 0; d0 < D16; d0 += W) { /* 8 rows × W dims in registers */
                 vec a[ROW_BLOCK];
@@ -194,13 +194,15 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 for (int64_t s = block_lo; s < block_hi; s++) {
                     const vec vs = vload(vh + s * D16 + d0);
 #pragma GCC unroll 8
-                    for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vfma(vbroadcast(scores[i * stride + LANES + s]), vs, a[i]);
+                    for (int64_t i = 0; i < ROW_BLOCK; i++)
+                        a[i] = vfma(vbroadcast(scores[i * stride + LANES + s]), vs, a[i]);
                 }
                 float lanes[ROW_BLOCK][W];
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(lanes[i], a[i]);
                 for (int64_t i = 0; i < rows; i++)
-                    for (int64_t j = 0; j < W && d0 + j < D; j++) out[(bh * T + t0 + i) * D + d0 + j] = inverse[i] * lanes[i][j];
+                    for (int64_t j = 0; j < W && d0 + j < D; j++)
+                        out[(bh * T + t0 + i) * D + d0 + j] = inverse[i] * lanes[i][j];
             }
             for (int64_t i = 0; i < rows && p_out; i++) {
                 float *po = p_out + (bh * T + t0 + i) * S;

@@ -63,7 +63,8 @@ def test_vllm_cpu_forward_bitwise_the_torch_loop(monkeypatch, case):
     torch_ops(monkeypatch)
     slow_out, slow_lse, slow_p = rla_attention._vllm_cpu_forward(q, k, v, attended, 0.125, weights=True)
     # the log-sum-exp (read by the backward only): C's logf and torch's log, each within an ulp of the true value
-    assert torch.equal(fast_lse.isinf(), slow_lse.isinf()) and torch.equal(fast_lse.isinf(), ~attended.any(-1).expand(3, 4, -1))
+    assert torch.equal(fast_lse.isinf(), slow_lse.isinf())
+    assert torch.equal(fast_lse.isinf(), ~attended.any(-1).expand(3, 4, -1))
     torch.testing.assert_close(fast_lse, slow_lse, rtol=1e-6, atol=1e-6)
     assert fast_out.dtype == slow_out.dtype == torch.bfloat16
     assert torch.equal(fast_out, slow_out) or torch.equal(fast_out.isnan(), slow_out.isnan()) and torch.equal(
@@ -89,9 +90,10 @@ def test_sdpa_backward_at_given_output_is_torch_sdpa_gradient():
     q, k, v = (t.requires_grad_() for t in random_attention(kv_heads=4, dim=32))
     additive = torch.where(causal(3, 37, left_padding=(0, 5, 19)), 0.0, torch.finfo(torch.bfloat16).min).bfloat16()
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-    expected = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=0.125),
-                                   (q, k, v), grad_out)
-    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive, scale=0.125)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=0.125)
+    expected = torch.autograd.grad(sdpa, (q, k, v), grad_out)
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive,
+                                                                                 scale=0.125)
     got = torch.autograd.grad(rla_attention._SdpaBackward.apply(q, k, v, out.detach(), logsumexp, additive, 0.125),
                               (q, k, v), grad_out)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -105,7 +107,8 @@ def test_vllm_cpu_gradient_is_the_stock_sdpa_gradient_within_rounding():
     grad_out = torch.randn(3, 37, 4, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
     out, _ = rla_attention.vllm_cpu_attention(module, q, k, v, attended, 0.125)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=0.125, enable_gqa=True)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=0.125,
+                                                                 enable_gqa=True)
     expected = torch.autograd.grad(reference.transpose(1, 2), (q, k, v), grad_out)
     for a, b in zip(got, expected):
         assert (a.float() - b.float()).norm() < 0.01 * b.float().norm()
