@@ -3,8 +3,9 @@ speed: the torch-op versions take a Python loop of small tensor ops per element 
 forward+backward at 8 layers, `benchmarks/align_overhead.py`). Same operations in the same order, so the same bits
 (tests/test_native.py).
 
-Compiled once per machine with the system C compiler into `.cache/native/` (about a second); where there is none, or
-`RLA_NATIVE=0`, `library()` is None and the callers run their torch-op loops, with a warning.
+Compiled once per machine with the system C compiler into `.cache/native/` (about a second). Where there is none or
+the build fails (a warning says so), or with `RLA_NATIVE=0`, `library()` is None and the callers run their torch-op
+loops.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _cpu_id() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no C compiler, a failed build, or RLA_NATIVE=0) with a warning saying so."""
+    """The compiled kernels, or None: no C compiler or a failed build (with a warning saying so), or RLA_NATIVE=0."""
     if os.environ.get("RLA_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
