@@ -1,9 +1,9 @@
 """Time `make test` (or `make run-all`) on a fresh clone of this repository, as CI runs it (set-up included).
 
     .venv/bin/python benchmarks/fresh_clone_test.py [--env OMP_NUM_THREADS=1] [--label name]
-    .venv/bin/python benchmarks/fresh_clone_test.py --target run-all [--table run_all_time_before]
+    .venv/bin/python benchmarks/fresh_clone_test.py --target run-all [--table run_all_time_before] [--commit REV]
 
-Clones HEAD into a temporary folder, runs `make setup` and then `make test` there, and writes the times and
+Clones HEAD (or --commit) into a temporary folder, runs `make setup` and then `make test` there, and writes the times and
 pytest's counts to tables/bench_fresh_clone.csv (one row per label; the README's "Time" line reads it).
 Takes as long as the suite: about 10 minutes on 2 cores.
 
@@ -63,13 +63,17 @@ def main() -> None:
     parser.add_argument("--label", default=None, help="row name (default: the --env settings or 'default')")
     parser.add_argument("--target", choices=["test", "run-all"], default="test")
     parser.add_argument("--table", default="run_all_time", help="--target run-all: the table the times go to")
+    parser.add_argument("--commit", default="HEAD", help="the commit to check out in the clone (e.g. the one before a "
+                        "change, for a before/after pair measured on one machine)")
     args = parser.parse_args()
     extra = dict(kv.split("=", 1) for kv in args.env)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLA_", "VIRTUAL_ENV"))} | extra
     label = args.label or (",".join(args.env) or "default")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="rla-fresh-") as tmp:
         subprocess.run(["git", "clone", "--quiet", str(ROOT), tmp], check=True)
+        subprocess.run(["git", "checkout", "--quiet", commit], cwd=tmp, check=True)
         setup_s, out, rc = timed(["make", "setup"], tmp, env)
         if rc:
             raise SystemExit(f"make setup failed:\n{out[-3000:]}")

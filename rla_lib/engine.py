@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,6 +208,16 @@ class WorkerExtension:
             return pack_tensor(model.compute_logits(unpack_tensor(packed_hidden).to(self.model_runner.device)))
 
 
+# Engines closed in the background (`Engine.close`) whose processes may still be exiting.
+_CLOSING: list[threading.Thread] = []
+
+
+def wait_for_closed_engines() -> None:
+    """Wait until every engine closed in the background has exited and freed its memory."""
+    while _CLOSING:
+        _CLOSING.pop().join()
+
+
 class Engine:
     def __init__(
         self,
@@ -243,6 +254,7 @@ class Engine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._weights_dir = None
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"  # the engine core runs here
 
     # ---- sampling ---------------------------------------------------------------------------
     def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
@@ -263,6 +275,7 @@ class Engine:
                              f"{self.spec.vocab_size}. Use rla_lib.exact_kl for the exact KL at large vocabularies.")
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0 (a standard deviation), got {logit_noise}")
+        self._check_open()
         prompt_ids = self._fit(prompts, 1)  # vLLM stops a response at the context end; a prompt must fit
         params = [
             self._vllm.SamplingParams(
@@ -321,6 +334,7 @@ class Engine:
                              f"this model has {self.spec.vocab_size}. Use top_k at temperature 1, or "
                              "prompt_hidden + logprobs_from_hidden (tensors, chunk by chunk; rla_lib.exact_kl).")
         k = -1 if (full_vocab or tempered) else top_k
+        self._check_open()
         seqs = self._fit(sequences, 1)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
         outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
@@ -362,6 +376,7 @@ class Engine:
         (len - 1, hidden) tensor per sequence: what its prompt logprobs are computed from (vLLM's
         prompt-logprob pass, run with one logprob per position, so nothing vocabulary-sized leaves the engine).
         `logprobs_from_hidden` turns any slice of them into the full next-token distribution."""
+        self._check_open()
         seqs = self._fit(sequences, 1)
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True)
         self.llm.collective_rpc("keep_prompt_hidden", args=(True,))
@@ -381,6 +396,7 @@ class Engine:
         """(n, vocab) FP32 next-token logprobs from (n, hidden) engine hidden states: the engine's LM head
         (`compute_logits`, in the engine), then its sampler's log-softmax in FP32 (vLLM's `compute_logprobs`).
         At temperature T != 1 the logits are divided in FP32 first, as vLLM's sampler does."""
+        self._check_open()
         logits = unpack_tensor(self.llm.collective_rpc("logits_of", args=(pack_tensor(hidden),))[0])
         return log_softmax_at(logits, temperature)
 
@@ -392,6 +408,7 @@ class Engine:
         The weights go through a safetensors file in a RAM-backed folder: on CPU vLLM repacks
         each linear layer for oneDNN, so only its own checkpoint loader can refresh them.
         """
+        self._check_open()
         state = source.state_dict() if hasattr(source, "state_dict") else dict(source)
         if self.spec.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
@@ -483,6 +500,10 @@ class Engine:
                              f"{self.spec.max_position_embeddings}), or shorten the sequences / max_tokens.")
         return seqs
 
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"this engine ({self.spec.name}, {self.mode}) was closed: start a new Engine")
+
     def _to_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -491,10 +512,22 @@ class Engine:
             raise ValueError(f"token ids must be non-empty and in [0, {self.spec.vocab_size}), got {ids[:8]}...")
         return ids
 
-    def close(self) -> None:
-        if getattr(self, "llm", None) is not None:
-            self.llm.llm_engine.engine_core.shutdown()  # stops the engine-core process now, not at exit
-            self.llm = None
+    def close(self, wait: bool | None = None) -> None:
+        """Stop the engine. vLLM's graceful teardown takes about 3.5 s after the engine's last use (its worker, then
+        its engine core, exit). For small models on CPU that runs in a background thread and `close` returns at once
+        (the next engine can start meanwhile: each holds about 1.5 GB); wait=True, a large model, CUDA (whose memory
+        the next engine needs) or an in-process engine core wait for it. `wait_for_closed_engines` joins them all."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown = llm.llm_engine.engine_core.shutdown
+            if wait is None:
+                wait = not self.spec.small_vocab or torch.cuda.is_available() or self._in_process
+            if wait:
+                shutdown()
+            else:
+                thread = threading.Thread(target=shutdown, name=f"rla-close-{self.spec.name}-{self.mode}")
+                thread.start()  # not a daemon: an exiting interpreter waits for it
+                _CLOSING.append(thread)
         if self._weights_dir:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             self._weights_dir = None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .machine import use_bf16_matmul
+from .machine import engine_core_environment, use_bf16_matmul
 from .paths import MODELS_DIR
 
 EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny",
@@ -143,6 +145,25 @@ def concurrent_processes(models) -> int:
         return max(1, int(os.environ["RLA_PROCESSES"]))
     small = all(resolve_model(m).small_vocab for m in models)
     return 2 if small and (os.cpu_count() or 1) >= 2 else 1
+
+
+def side_by_side(function, jobs, processes: int) -> list:
+    """[function(job, environment) for job in jobs], `processes` at a time (threads, each waiting on the subprocess
+    it starts). `environment` binds the engines of the slot a job runs in to a core of their own
+    (`machine.engine_core_environment`): pass it to that subprocess."""
+    slots = queue.SimpleQueue()
+    for slot in range(processes):
+        slots.put(slot)
+
+    def run(job):
+        slot = slots.get()
+        try:
+            return function(job, engine_core_environment(slot) if processes > 1 else {})
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(processes) as pool:
+        return list(pool.map(run, jobs))
 
 
 def check_memory(spec: ModelSpec, bytes_per_parameter: float, what: str, advice: str) -> None:

@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -27,7 +26,7 @@ import torch
 from . import graphs, machine, mismatch, sides
 from .align import REGIONS
 from .engine import bf16_linear
-from .models import concurrent_processes
+from .models import concurrent_processes, side_by_side
 from .paths import RESULTS_DIR, atomic_write, slug
 
 MODES = ("compiled", "eager")
@@ -102,12 +101,13 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     levels = machine.resolve_levels(levels)
     processes = concurrent_processes(models)
 
-    def run(job) -> pd.DataFrame:
+    def run(job, slot_env) -> pd.DataFrame:
         model, level, label, extra_env = job
         out = _worker_output(model, label)
         cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
                "--params", json.dumps(params), "--threads", str(max(1, torch.get_num_threads() // processes))]
-        env = os.environ | machine.isa_environment(level) | extra_env | ({"RLA_PROCESSES": "1"} if processes > 1 else {})
+        env = (os.environ | machine.isa_environment(level) | extra_env | slot_env
+               | ({"RLA_PROCESSES": "1"} if processes > 1 else {}))
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"the {label} run of {model} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -119,8 +119,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     jobs = [[(model, level, level, {}) for level in levels for model in models]]
     if matmul_control:
         jobs.append([(model, levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}) for model in models])
-    with ThreadPoolExecutor(processes) as pool:
-        frames = [frame for phase in jobs for frame in pool.map(run, phase)]
+    frames = [frame for phase in jobs for frame in side_by_side(run, phase, processes)]
     return pd.concat(frames, ignore_index=True)
 
 

@@ -146,9 +146,38 @@ def test_engine_processes_die_with_a_killed_parent(tmp_path):
     assert not survivors, "engine processes outlived their killed parent"
 
 
+@pytest.mark.engine
+def test_close_hands_the_teardown_to_a_thread_that_stops_every_engine_process():
+    """A small model's close returns without waiting for vLLM's teardown; wait_for_closed_engines then leaves no
+    engine process running. A closed engine refuses work; wait=True waits in the call."""
+    from rla_lib.engine import _CLOSING, Engine, wait_for_closed_engines
+
+    wait_for_closed_engines()  # engines other tests of this process closed
+    before = set(descendants(os.getpid()))  # e.g. the session's compiled engine, which stays
+    engines = [Engine("qwen3-tiny", mode="eager") for _ in range(2)]
+    children = [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]  # not multiprocessing's tracker
+    assert len(children) == 4, "each engine runs an engine core and a worker"
+    engines[0].close()
+    assert len(_CLOSING) == 1 and engines[0].llm is None
+    with pytest.raises(RuntimeError, match="was closed: start a new Engine"):
+        engines[0].sample(PROMPTS[:1])
+    engines[1].close(wait=True)
+    assert len(_CLOSING) == 1  # the waited close added no thread
+    wait_for_closed_engines()
+    assert not _CLOSING
+    deadline = time.time() + 30  # vLLM's engine core returns while its worker is still in its last moments of exit
+    while time.time() < deadline and any(alive(p) for p in children):
+        time.sleep(0.2)
+    assert not [p for p in children if alive(p)], "engine processes still running after wait_for_closed_engines"
+
+
 def descendants(pid: int) -> list[int]:
     kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return kids + [d for k in kids for d in descendants(k)]
+
+
+def is_vllm(pid: int) -> bool:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::")  # VLLM::EngineCore, VLLM::Worker
 
 
 def alive(pid: int) -> bool:

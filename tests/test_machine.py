@@ -154,8 +154,8 @@ def test_a_bad_cap_names_the_choices(monkeypatch):
 
 def test_machine_records_what_bf16_numbers_depend_on():
     m = machine.machine()
-    for key in ("cpu", "isa_flags", "isa_level", "cpu_capability", "bf16_matmul", "cpu_count", "cpu_threads", "torch",
-                "onednn", "transformers", "vllm"):
+    for key in ("cpu", "cpu_generation", "isa_flags", "isa_level", "cpu_capability", "bf16_matmul", "cpu_count",
+                "cpu_threads", "torch", "onednn", "transformers", "vllm"):
         assert key in m
     assert set(m["isa_flags"]) <= set(machine.BF16_FLAGS)
     text = machine.describe(m)
@@ -175,3 +175,12 @@ def test_a_capped_process_runs_the_avx2_kernels_vllm_and_torch_would_pick():
     capped = json.loads(out.stdout.strip().splitlines()[-1])
     assert capped == dict(cap="AVX2", avx512=False, bf16=False, level="avx2", mode="fp32", key=capped["key"])
     assert capped["key"] != machine.machine_key() or machine.isa_level() == "avx2"
+
+
+def test_engines_side_by_side_get_cores_of_their_own_unless_a_binding_is_set(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {4, 6}, raising=False)
+    assert [machine.engine_core_environment(slot) for slot in range(3)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "4"}, {"VLLM_CPU_OMP_THREADS_BIND": "6"}, {"VLLM_CPU_OMP_THREADS_BIND": "4"}]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert machine.engine_core_environment(0) == {}

@@ -105,3 +105,28 @@ def test_engine_processes_run_two_at_a_time_only_for_small_models(tmp_path, monk
     assert models.concurrent_processes(["qwen3-tiny"]) == 1
     monkeypatch.setenv("RLA_PROCESSES", "3")
     assert models.concurrent_processes([big]) == 3
+
+
+def test_side_by_side_runs_each_job_in_a_slot_no_other_running_job_holds(monkeypatch):
+    import threading
+    import time
+
+    from rla_lib import models
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    running, lock, seen = set(), threading.Lock(), []
+
+    def job(n, env):
+        core = env["VLLM_CPU_OMP_THREADS_BIND"]
+        with lock:
+            assert core not in running, "two running jobs were given the same core"
+            running.add(core)
+            seen.append(core)
+        time.sleep(0.01 * (n % 3))
+        with lock:
+            running.remove(core)
+        return n * n
+
+    assert models.side_by_side(job, range(8), 2) == [n * n for n in range(8)]  # results in the order of the jobs
+    assert len(set(seen)) == 2
+    assert models.side_by_side(lambda n, env: env, [0, 1], 1) == [{}, {}]  # one at a time: vLLM's own binding

@@ -61,7 +61,7 @@ _EXPORTS = {
                  "schedule", "schedule_notes", "schedule_to_align_kwargs"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
     "captures": ("SIDES", "capture", "capture_dir", "engine_graph", "find_output_code", "merge_graphs", "parse_cache",
-                "read_sides", "capture_sides", "side_graph"),
+                "read_sides", "capture_sides", "seed_compile_cache", "side_graph"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
