@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rla_lib.machine import cpu_generation, cpu_model
 from rla_lib.paths import RESULTS_DIR, ROOT, atomic_write
 from rla_lib.report import TABLES_DIR, notebook_times, save_table
 
@@ -85,7 +86,8 @@ def main() -> None:
     print(out[-1500:])
     print("\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))), f"\n(full log: {log})")
     counts = pytest_counts(out)
-    row = dict(label=label, commit=commit, setup_s=round(setup_s), test_s=round(test_s), total_s=round(setup_s + test_s),
+    row = dict(label=label, commit=commit, machine=f"{cpu_model()} ({cpu_generation()})", setup_s=round(setup_s),
+               test_s=round(test_s), total_s=round(setup_s + test_s),
                passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
                skipped=counts.get("skipped", 0), exit_code=rc)
     print(row)

@@ -150,10 +150,17 @@ def block_overhead() -> str:
                         md_table(header, rows), source("bench_align_overhead", meta)])
 
 
+def _on(row) -> str:
+    """", on <machine>" for a fresh-clone row that recorded its machine (rows from before 2026-12-01 did not)."""
+    machine = row.get("machine")
+    return f", on {machine}" if isinstance(machine, str) else ""
+
+
 def block_suite_time() -> str:
     t, meta = load_table("bench_fresh_clone")
     parts = [f"{r['label']}: {r['total_s'] / 60:.1f} min ({r['setup_s'] / 60:.1f} set-up + {r['test_s'] / 60:.1f} tests; "
-             f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped; commit {r['commit']})" for _, r in t.iterrows()]
+             f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped; commit {r['commit']}{_on(r)})"
+             for _, r in t.iterrows()]
     return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
 
 
@@ -378,15 +385,25 @@ def block_bf16_matmul() -> str:
 
 def _machine_short(meta: dict) -> str:
     m = meta.get("machine", {})
-    return f"{m.get('cpu', '?')}, {m.get('isa_level') or m.get('cpu_capability', '?')}, {m.get('cpu_threads', '?')} threads"
+    generation = m.get("cpu_generation") or "generation not recorded"  # machines of one kind differ by CPU generation
+    return (f"{m.get('cpu', '?')} ({generation}), {m.get('isa_level') or m.get('cpu_capability', '?')}, "
+            f"{m.get('cpu_threads', '?')} threads")
+
+
+def _machines(before_meta: dict | None, meta: dict) -> str:
+    """The machine of the 'after' figure, and that of the 'before' one where it was another (or is not known)."""
+    after = _machine_short(meta)
+    if before_meta is None or _machine_short(before_meta) == after:
+        return after
+    return f"before: {_machine_short(before_meta)}; after: {after}"
 
 
 def block_speed() -> str:
     """Issue 19's targets, each before and after, from the tables the benchmarks and `make run-all` wrote."""
     rows = []
 
-    def add(target, what, command, before, after, meta):
-        rows.append([target, what, before, after, f"`{command}`", _machine_short(meta)])
+    def add(target, what, command, before, after, meta, before_meta=None):
+        rows.append([target, what, before, after, f"`{command}`", _machines(before_meta, meta)])
 
     if (TABLES_DIR / "run_all_time.csv").exists():
         after, meta = load_table("run_all_time")
@@ -394,17 +411,18 @@ def block_speed() -> str:
         minutes = lambda t: f"{t.set_index('notebook').loc['total', 'seconds'] / 60:.1f} min"
         add("`make run-all` <= 10 min", "all notebooks after set-up, fresh clone, cold compile caches",
             ".venv/bin/python benchmarks/fresh_clone_test.py --target run-all", f"{minutes(before)} ({before_meta['commit']})",
-            f"{minutes(after)} ({meta['commit']})", meta)
+            f"{minutes(after)} ({meta['commit']})", meta, before_meta)
     if (TABLES_DIR / "bench_fresh_clone.csv").exists():
         t, meta = load_table("bench_fresh_clone")
         first, last = t.iloc[0], t.iloc[-1]
         add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
-            f"{first['test_s'] / 60:.1f} min ({first['commit']})", f"{last['test_s'] / 60:.1f} min ({last['commit']})", meta)
+            f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})",
+            f"{last['test_s'] / 60:.1f} min ({last['commit']}{_on(last)})", meta)
     if (TABLES_DIR / "bench_grpo_step_bf16.csv").exists():
         after, meta = load_table("bench_grpo_step_bf16")
-        before, _ = load_table("bench_grpo_step_bf16_before")
+        before, before_meta = load_table("bench_grpo_step_bf16_before")
         add("GRPO step <= 0.5 s", "default BF16, 16 prompts x 8 samples, median", "benchmarks/grpo_step.py",
-            f"{before['total'].iloc[0]:.2f} s", f"{after['total'].iloc[0]:.2f} s", meta)
+            f"{before['total'].iloc[0]:.2f} s", f"{after['total'].iloc[0]:.2f} s", meta, before_meta)
     if (TABLES_DIR / "bench_grpo_step_bf16_qwen3-0.6b-shape.csv").exists():
         t, meta = load_table("bench_grpo_step_bf16_qwen3-0.6b-shape")
         r, p = t.iloc[0], meta.get("params", {})
