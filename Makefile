@@ -47,7 +47,8 @@ run-all: setup
 	@# no progress bars in batch runs: the executed notebooks keep results, not frozen bars (rla_lib.progress)
 	@# live_widget: only notebook 01 has it (papermill warns of a parameter a notebook does not take)
 	@# papermill's and the kernel's own log goes to notebooks/executed/NN_name.log, shown here without the kernel's
-	@# notice at every start that it listens on local TCP without encryption
+	@# notice at every start that it listens on local TCP without encryption. One notebook at a time: 06 and 07 side
+	@# by side took 12.7 min in all instead of 10.3 (their processes then oversubscribe the two cores).
 	@for nb in $(NOTEBOOKS); do \
 		name=$$(basename $$nb .ipynb); echo "== $$nb"; \
 		params=$$(grep -q '"live_widget = ' $$nb && echo "-p live_widget False"); \
@@ -129,6 +130,7 @@ bench: setup
 	$(PY) benchmarks/align_overhead.py
 	$(PY) benchmarks/grpo_step.py
 	$(PY) benchmarks/bf16_matmul.py
+	$(PY) benchmarks/engine_start.py
 
 # The GRPO studies of notebook 06 (experiments/grpo_sweep.py), one single-core worker per core (faster than
 # one process on all cores: the tiny model's steps do not scale past a core). The workers share one list, a

@@ -513,10 +513,11 @@ class Engine:
         return ids
 
     def close(self, wait: bool | None = None) -> None:
-        """Stop the engine. vLLM's graceful teardown takes about 3.5 s after the engine's last use (its worker, then
-        its engine core, exit). For small models on CPU that runs in a background thread and `close` returns at once
-        (the next engine can start meanwhile: each holds about 1.5 GB); wait=True, a large model, CUDA (whose memory
-        the next engine needs) or an in-process engine core wait for it. `wait_for_closed_engines` joins them all."""
+        """Stop the engine. vLLM's graceful teardown takes seconds (its worker, then its engine core, exit;
+        `benchmarks/engine_start.py`). For small models on CPU it runs in a background thread and `close` returns at
+        once, so the next engine can start meanwhile (a small engine holds little beyond its KV cache); wait=True, a
+        large model, CUDA (whose memory the next engine needs) or an in-process engine core wait for it.
+        `wait_for_closed_engines` joins them all."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             shutdown = llm.llm_engine.engine_core.shutdown

@@ -68,7 +68,7 @@ def cpu_model() -> str:
 
 def cpu_generation() -> str | None:
     """The CPU's family and model numbers ("family 26 model 2"), which "AMD EPYC" alone does not tell: machines of one
-    kind here came with different generations, whose speeds differ by 1.3-1.6x on this project's benchmarks."""
+    kind here came with different generations, and speed figures are only comparable within one."""
     info = _cpuinfo()
     return f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else None
 
@@ -142,9 +142,9 @@ def separate_compile_caches() -> None:
 def engine_core_environment(slot: int) -> dict[str, str]:
     """The environment of the `slot`-th of several vLLM engines running at once (0, 1, ...): its compute thread bound
     to a core of its own. With the default `VLLM_CPU_OMP_THREADS_BIND=auto` vLLM-CPU binds a one-worker engine to
-    the first core whatever else runs, so two engines side by side shared one core while the other idled: two eager
-    starts took 21.5 s each instead of 14, their sampling 1.6x longer. The core changes no bit (one compute thread
-    either way). A binding already set wins (the settings search sets its own per worker)."""
+    the first core whatever else runs, so two engines side by side share one core while the other idles (their starts
+    and sampling measured by `benchmarks/engine_start.py`). The core changes no bit (one compute thread either way).
+    A binding already set wins (the settings search sets its own per worker)."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -192,7 +192,8 @@ def machine() -> dict:
     except AttributeError:
         capability = None
     flags = cpu_flags()
-    return dict(cpu=cpu_model(), cpu_generation=cpu_generation(), isa_flags=[f for f in BF16_FLAGS if f in flags], isa_level=isa_level(),
+    return dict(cpu=cpu_model(), cpu_generation=cpu_generation(), isa_flags=[f for f in BF16_FLAGS if f in flags],
+                isa_level=isa_level(),
                 isa_capped=bool(os.environ.get("RLA_CPU_ISA")), cpu_capability=capability,
                 bf16_matmul=bf16_matmul_mode(), cpu_count=os.cpu_count(), cpu_threads=torch.get_num_threads(),
                 torch=torch.__version__, onednn=onednn_version(), transformers=_version("transformers"),
@@ -216,7 +217,8 @@ def describe(m: dict | None = None) -> str:
     level = m.get("isa_level") or m.get("cpu_capability") or "?"
     flags = " ".join(m.get("isa_flags") or []) or "?"
     generation = f"{m['cpu_generation']}; " if m.get("cpu_generation") else ""  # not recorded before 2026-12-01
-    return (f"{m.get('cpu') or m.get('processor', '?')} ({generation}{m.get('cpu_count', '?')} cores, {m.get('cpu_threads', '?')} threads; "
+    return (f"{m.get('cpu') or m.get('processor', '?')} ({generation}{m.get('cpu_count', '?')} cores, "
+            f"{m.get('cpu_threads', '?')} threads; "
             f"{flags}), ISA level {level}{' (capped)' if m.get('isa_capped') else ''}, torch kernels "
             f"{m.get('cpu_capability', '?')}, BF16 matmul {m.get('bf16_matmul', 'native')}; torch {m.get('torch')}, "
             f"oneDNN {m.get('onednn', '?')}, vLLM {m.get('vllm')}, Transformers {m.get('transformers')}")

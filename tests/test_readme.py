@@ -70,3 +70,11 @@ def test_change_vs_range_words():
     assert report.change_vs_range(0.04, 0.5, True, -0.25, -0.10) == "a rise, not a cut"
     assert report.change_vs_range(-0.08, -0.02, True, -0.25, -0.10) == "a smaller cut than the paper's"
     assert report.change_vs_range(-0.3, 0.1, False, -0.25, -0.10) == "no change distinguishable from zero"
+
+
+def test_run_all_wall_time_counts_notebooks_run_side_by_side_once():
+    t = pd.DataFrame(dict(notebook=["00_a", "06_b", "07_c"], seconds=[10.0, 100.0, 60.0],
+                          started=["2026-12-01T00:00:00+00:00", "2026-12-01T00:00:11+00:00", "2026-12-01T00:00:11.5+00:00"]))
+    assert report.wall_seconds(t) == 111.0  # 00 then 06 and 07 together: from 0 s to 06's end at 111 s
+    with_rows = pd.concat([t, pd.DataFrame([dict(notebook="total", seconds=170.0), dict(notebook="wall", seconds=111.0)])])
+    assert report.wall_seconds(with_rows) == 111.0

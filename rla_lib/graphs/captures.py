@@ -150,9 +150,7 @@ def seed_compile_cache(source: Path, target) -> int:
     """Copy the files of inductor cache `source` that `target` lacks into it; returns how many. Inductor's cache is
     content-addressed (a file's name is the hash of what it holds), so an existing file is never replaced, and each
     copy is atomic (a process compiling into `target` meanwhile reads a whole file or none). Lock files are skipped.
-
-    Measured here (qwen3-tiny, compiled vLLM): an engine start took 35 s with an empty cache, 21 s seeded from its
-    capture, 13-15 s fully warm."""
+    What a seeded engine start saves: `benchmarks/engine_start.py`."""
     source, target, copied = Path(source), Path(target), 0
     for path in source.rglob("*"):
         relative = path.relative_to(source)
@@ -214,7 +212,7 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
     outside the compiled graph); eager mode traces the whole forward at the aten level.
     engine="hf": torch.compile of the Transformers model (mode "compiled"), TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache.
     A finished capture (capture.json present) is reused unless force=True. `env`: more environment variables for
-    the subprocess. A compiled vLLM capture then seeds this process's engine compile cache (`seed_compile_cache`).
+    the subprocess. A vLLM capture then seeds this process's engine compile cache (`seed_compile_cache`).
     """
     if engine == "vllm" and mode not in ("compiled", "eager"):
         raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")

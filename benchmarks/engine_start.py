@@ -1,0 +1,102 @@
+"""What an engine start and stop cost, and what rla_lib does about it (the README's engine section reads the table).
+
+    .venv/bin/python benchmarks/engine_start.py [--model qwen3-tiny] [--no-save]
+
+Each engine runs in a fresh Python process, as a notebook or a test process starts one, and reports how long
+`Engine(...)` took to be ready, one sampling call (16 prompts x 8 samples, 32 tokens) and `close()`:
+
+- eager, alone;
+- two eager engines started side by side, with vLLM-CPU's own binding (`VLLM_CPU_OMP_THREADS_BIND=auto`, which puts
+  every one-worker engine's compute thread on the first core) and with a core each (`machine.engine_core_environment`);
+- compiled, with empty compile caches; with an empty cache seeded from a capture of the same model
+  (`graphs.seed_compile_cache`, as a capture does for the engines of its process); and warm (the same cache again);
+- close: waiting for vLLM's teardown (`close(wait=True)`) and handing it to a thread (`close()` on a small model).
+
+Prints and writes tables/bench_engine_start.csv (one row per engine process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from rla_lib.graphs import capture, seed_compile_cache
+from rla_lib.machine import engine_core_environment
+from rla_lib.paths import ROOT
+from rla_lib.report import save_table
+
+CHILD = """
+import json, sys, time
+if __name__ == "__main__":
+    from rla_lib.engine import Engine, import_vllm, wait_for_closed_engines
+    import_vllm()  # the import is the process's, not the start's: a notebook has imported rla_lib before
+    model, mode, wait = sys.argv[1], sys.argv[2], sys.argv[3] == "wait"
+    t0 = time.perf_counter()
+    engine = Engine(model, mode=mode)
+    t1 = time.perf_counter()
+    engine.sample(["12+34=", "5+6+7="] * 8, n=8, max_tokens=32)
+    t2 = time.perf_counter()
+    engine.close(wait=True if wait else None)
+    t3 = time.perf_counter()
+    wait_for_closed_engines()
+    print(json.dumps(dict(start_s=t1 - t0, sample_s=t2 - t1, close_s=t3 - t2, teardown_s=time.perf_counter() - t2)))
+"""
+
+
+def launch(model: str, mode: str, env: dict, close: str = "wait") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, model, mode, close], cwd=ROOT, env=os.environ | env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"an engine process failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-tiny")
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        raise SystemExit("unset VLLM_CPU_OMP_THREADS_BIND: this benchmark compares vLLM's own binding with rla_lib's")
+    rows = []
+
+    def add(scenario: str, mode: str, measured: dict, engines: int = 1) -> None:
+        rows.append(dict(scenario=scenario, mode=mode, engines_at_once=engines, **{k: round(v, 2) for k, v in measured.items()}))
+        print(f"{scenario:<58} {mode:<8} start {measured['start_s']:5.1f} s  sample {measured['sample_s']:5.2f} s  "
+              f"close {measured['close_s']:4.1f} s", flush=True)
+
+    add("alone", "eager", result(launch(args.model, "eager", {})))
+    for label, envs in [("two side by side, vLLM's binding (both on the first core)", [{}, {}]),
+                        ("two side by side, a core each", [engine_core_environment(0), engine_core_environment(1)])]:
+        for measured in [result(p) for p in [launch(args.model, "eager", env) for env in envs]]:
+            add(label, "eager", measured, engines=2)
+
+    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
+        tmp = Path(tmp)
+        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "cold" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "cold" / "vllm"))
+        add("empty compile caches", "compiled", result(launch(args.model, "compiled", cold)))
+        add("same caches again (warm)", "compiled", result(launch(args.model, "compiled", cold)))
+        captured = capture(args.model, "compiled", out_dir=tmp / "capture")  # (also seeds this process's cache)
+        seeded = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "seeded" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "seeded" / "vllm"))
+        seed_compile_cache(captured / "inductor_cache", seeded["TORCHINDUCTOR_CACHE_DIR"])
+        add("empty caches seeded from a capture of the model", "compiled", result(launch(args.model, "compiled", seeded)))
+    add("alone, close() hands vLLM's teardown to a thread", "eager", result(launch(args.model, "eager", {}, close="background")))
+
+    table = pd.DataFrame(rows)
+    if args.save:
+        save_table(table.set_index(["scenario", "mode"]), "bench_engine_start", vars(args))
+
+
+if __name__ == "__main__":
+    main()
