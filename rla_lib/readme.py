@@ -151,9 +151,9 @@ def block_overhead() -> str:
 
 
 def _on(row) -> str:
-    """", on <machine>" for a fresh-clone row that recorded its machine (rows from before 2026-12-01 did not)."""
+    """", on <machine>" for a fresh-clone row: the machine it recorded (rows from before 2026-12-01 did not)."""
     machine = row.get("machine")
-    return f", on {machine}" if isinstance(machine, str) else ""
+    return f", on {machine}" if isinstance(machine, str) else ", machine not recorded"
 
 
 def block_suite_time() -> str:
