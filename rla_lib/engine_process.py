@@ -29,16 +29,10 @@ def as_a_guest():
     import vllm.envs
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        with random_state_kept(), native_stderr_without(_START_NOTICES):
+        with _multiprocessing("0"), random_state_kept(), native_stderr_without(_START_NOTICES):
             yield
     finally:
-        if multiprocessing is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
         vllm.envs.disable_envs_cache()
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
@@ -90,11 +84,16 @@ def native_stderr_without(notices):
                 sys.stderr.write("".join(kept))
 
 
-@contextlib.contextmanager
 def multiprocess():
     """vLLM's own engine core and worker processes, whatever VLLM_ENABLE_V1_MULTIPROCESSING says meanwhile."""
+    return _multiprocessing("1")
+
+
+@contextlib.contextmanager
+def _multiprocessing(value: str):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=value while vLLM reads it (when an engine starts), then as it was."""
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = value
     try:
         yield
     finally:
