@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .engine_process import IN_PROCESS_ENV, as_a_guest, guest_call, multiprocess
+from .engine_process import IN_PROCESS_ENV, as_a_guest, environment_of, guest_call, multiprocess, restore_environment
 from .machine import separate_compile_caches, with_child_site
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .paths import ROOT
@@ -251,7 +251,7 @@ class Engine:
         **llm_kwargs,
     ):
         """in_process: run vLLM's engine core and worker in this process (None: `runs_in_process` decides; a small
-        model on CPU does). False: vLLM's own processes. True while another engine runs here is refused."""
+        model on CPU does). False: vLLM's own processes. In this process while another engine runs here is refused."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.spec: ModelSpec = resolve_model(model)
@@ -264,11 +264,11 @@ class Engine:
         # a token budget of 32 full contexts per step (2048, vLLM's default, for the 64-position embedded models), so
         # the batches this project sends are never chunked; large ones keep vLLM's default (its warm-up runs the budget).
         budget = {"max_num_batched_tokens": max(2048, 32 * self.max_model_len)} if self.spec.small_vocab else {}
-        if in_process and _HERE:
+        self._in_process = runs_in_process(self.spec, llm_kwargs) if in_process is None else in_process
+        if self._in_process and _HERE:  # asked for, or VLLM_ENABLE_V1_MULTIPROCESSING=0
             raise ValueError("another Engine runs in this process (two there share vLLM's process-wide state): close it "
                              "first, or start this one with in_process=False")
-        self._in_process = runs_in_process(self.spec, llm_kwargs) if in_process is None else in_process
-        self._guest_env = {k: os.environ.get(k) for k in IN_PROCESS_ENV}
+        self._guest_env = environment_of(IN_PROCESS_ENV)
         self.llm = None
         with as_a_guest() if self._in_process else multiprocess():
             self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)
@@ -563,11 +563,7 @@ class Engine:
         if llm is not None and self._in_process:
             llm.llm_engine.engine_core.shutdown()  # under a second here: no processes to wait for
             _HERE.discard(self)
-            for key, value in self._guest_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment(self._guest_env)
         elif llm is not None:
             shutdown = llm.llm_engine.engine_core.shutdown
             if wait is None:

@@ -92,12 +92,22 @@ def multiprocess():
 @contextlib.contextmanager
 def _multiprocessing(value: str):
     """VLLM_ENABLE_V1_MULTIPROCESSING=value while vLLM reads it (when an engine starts), then as it was."""
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    saved = environment_of(["VLLM_ENABLE_V1_MULTIPROCESSING"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = value
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        restore_environment(saved)
+
+
+def environment_of(names) -> dict:
+    """{name: its value, or None where unset}: what `restore_environment` puts back."""
+    return {name: os.environ.get(name) for name in names}
+
+
+def restore_environment(saved: dict) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+            os.environ[name] = value
