@@ -38,14 +38,17 @@ BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "
               "amx_tile", "amx_bf16")
 
 # Instruction-set levels a run can be capped to, highest first; the environment each needs. torch's aten
-# kernels and inductor read ATEN_CPU_CAPABILITY, oneDNN reads ONEDNN_MAX_CPU_ISA, and RLA_CPU_ISA makes
-# vLLM load the kernel library it would load on such a CPU (`child_site/sitecustomize.py`).
+# kernels and inductor read ATEN_CPU_CAPABILITY, oneDNN reads ONEDNN_MAX_CPU_ISA, MKL (torch's FP32 GEMM) reads
+# MKL_ENABLE_INSTRUCTIONS (on AMD CPUs it runs its AVX2 code at every level: the same bits and speed either way),
+# and RLA_CPU_ISA makes vLLM load the kernel library it would load on such a CPU (`child_site/sitecustomize.py`).
 ISA_LEVELS = {
     "avx512_bf16": dict(requires=("avx512f", "avx512bw", "avx512_bf16"), env={}),
     "avx512": dict(requires=("avx512f", "avx512bw"),
-                   env=dict(RLA_CPU_ISA="avx512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI")),
+                   env=dict(RLA_CPU_ISA="avx512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI",
+                            MKL_ENABLE_INSTRUCTIONS="AVX512")),
     "avx2": dict(requires=("avx2", "fma"),
-                 env=dict(RLA_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")),
+                 env=dict(RLA_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+                          MKL_ENABLE_INSTRUCTIONS="AVX2")),
 }
 CHILD_SITE_DIR = Path(__file__).parent / "child_site"  # start-up code of the processes rla_lib starts
 BF16_MATMUL_MODES = ("auto", "native", "fp32")
@@ -227,21 +230,38 @@ def describe(m: dict | None = None) -> str:
 
 
 # ---- a BF16 GEMM at FP32 speed ---------------------------------------------------------------------
+# FP32 GEMM libraries (MKL here) pick their kernel, and with it the summation order of a row, by the row count:
+# the same row gave other bits in a 3-row product than in a 50-row one. Padded to a multiple of ROW_BLOCK rows,
+# every row got the same bits whatever the batch around it (tests/test_machine.py), as torch's BF16 GEMM gives.
+ROW_BLOCK = 64
+
+
+def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight_t (+ bias) for a 2-D FP32 x, its rows padded with zeros to a multiple of `ROW_BLOCK`: each
+    row's bits then do not depend on how many rows are multiplied with it."""
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % ROW_BLOCK))
+    out = padded @ weight_t if bias is None else torch.addmm(bias, padded, weight_t)
+    return out[:rows]
+
+
 class LinearFP32Accumulate(torch.autograd.Function):
     """y = x W^T + b for BF16 x, W, b as BF16 hardware computes it: exact products of the BF16 operands,
-    FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM). Backward the same."""
+    FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM); a row's bits do not
+    depend on the other rows (`rows_times`). Backward the same."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
+        return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g = grad.float().reshape(-1, grad.shape[-1])
-        grad_x = (g @ weight.float()).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_x = rows_times(g, weight.float()).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
@@ -273,7 +293,7 @@ def use_bf16_matmul(model: torch.nn.Module, mode: str | None = None) -> str:
         if isinstance(module, torch.nn.Linear):
             if mode == "fp32":
                 module.forward = types.MethodType(_linear_fp32_accumulate, module)
-            elif "forward" in module.__dict__:
+            elif has_fp32_matmul(module):  # only its own patch
                 del module.forward
     return mode
 

@@ -73,6 +73,26 @@ def test_fp32_accumulate_linear_gradients_are_the_fp32_products_rounded_once():
         assert (ours == torchs).float().mean().item() > MOST
 
 
+def test_fp32_accumulate_linear_rows_do_not_depend_on_the_batch():
+    """A row's output (and its input gradient) has the same bits in any batch, as with torch's BF16 GEMM: scoring
+    cut to a minibatch's rows or chunked over positions (rla_lib.exact_kl) must not move a bit."""
+    x, w, b = operands(m=700, k=256, n=768, seed=4)
+    grad = torch.randn(700, 768, generator=torch.Generator().manual_seed(5)).to(BF16)
+
+    def forward_and_input_grad(rows):
+        xs = x[rows].clone().requires_grad_()
+        out = machine.LinearFP32Accumulate.apply(xs, w, b)
+        out.backward(grad[rows])
+        return out.detach(), xs.grad
+
+    whole = forward_and_input_grad(slice(None))
+    for start, count in [(0, 1), (5, 3), (37, 17), (100, 64), (300, 65), (13, 250), (0, 699)]:
+        part = forward_and_input_grad(slice(start, start + count))
+        assert all(torch.equal(p, w_[start : start + count]) for p, w_ in zip(part, whole)), (start, count)
+    batched = machine.LinearFP32Accumulate.apply(x.view(7, 100, 256), w, b)  # leading dimensions are rows too
+    assert torch.equal(batched.view(700, 768), whole[0])
+
+
 def test_use_bf16_matmul_patches_every_linear_and_native_restores_torch_bitwise():
     model = tiny_qwen3().to(BF16).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,8 @@ Python runs this file first in those processes (a sitecustomize of your own else
 in them; nothing here is needed by anything else).
 """
 
+import importlib.abc
+import importlib.util
 import logging
 import os
 import signal
@@ -26,17 +28,42 @@ if os.environ.get("VLLM_LOGGING_LEVEL"):
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
 
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` once `name` has been imported (its loader executes it, then the patch)."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        execute = spec.loader.exec_module
+
+        def execute_and_patch(module):
+            execute(module)
+            self.patch(module)
+
+        spec.loader.exec_module = execute_and_patch
+        return spec
+
+
 # A capped instruction set (rla_lib.machine.ISA_LEVELS): vLLM picks its kernel library (`_C`, `_C_AVX512`,
 # `_C_AVX2`) and some kernel paths from torch's CPUID checks, which ignore ATEN_CPU_CAPABILITY and
 # ONEDNN_MAX_CPU_ISA; here they answer as a CPU of level RLA_CPU_ISA would.
-_level = os.environ.get("RLA_CPU_ISA")
-if _level in ("avx512", "avx2"):
-    import torch.cpu
+# Patched once torch.cpu is imported, not here: importing torch at start-up would cost every capped process
+# (a notebook, a reader of copied output code) torch's import whether it uses torch or not.
+def _answer_as_level(module, level=os.environ.get("RLA_CPU_ISA")):
+    module._is_avx512_bf16_supported = lambda: False
+    module._is_amx_tile_supported = lambda: False
+    if level == "avx2":
+        module._is_avx512_supported = lambda: False
 
-    torch.cpu._is_avx512_bf16_supported = lambda: False
-    torch.cpu._is_amx_tile_supported = lambda: False
-    if _level == "avx2":
-        torch.cpu._is_avx512_supported = lambda: False
+
+if os.environ.get("RLA_CPU_ISA") in ("avx512", "avx2"):
+    sys.meta_path.insert(0, _PatchAfterImport("torch.cpu", _answer_as_level))
 
 # vLLM's worker keeps spinning on its message queue for `busy_loop_s` (1 s) after every message, a full core
 # taken from whatever runs next: in an RL loop, the training step that follows each rollout. With
@@ -44,29 +71,6 @@ if _level in ("avx512", "avx2"):
 # passed since its last message: same results; decode steps, milliseconds apart, still find it spinning.
 _spin = os.environ.get("RLA_VLLM_IDLE_SPIN_S")
 if _spin is not None:
-    import importlib.abc
-    import importlib.util
-
-    class _PatchAfterImport(importlib.abc.MetaPathFinder):
-        """Runs `patch(module)` once `name` has been imported (its loader executes it, then the patch)."""
-
-        def __init__(self, name, patch):
-            self.name, self.patch = name, patch
-
-        def find_spec(self, fullname, path, target=None):
-            if fullname != self.name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            execute = spec.loader.exec_module
-
-            def execute_and_patch(module):
-                execute(module)
-                self.patch(module)
-
-            spec.loader.exec_module = execute_and_patch
-            return spec
-
     def _shorter_spin(module, seconds=float(_spin)):
         init = module.SpinCondition.__init__
 
