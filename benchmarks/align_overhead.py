@@ -10,14 +10,23 @@ compiled engine's schedule for the embedded Qwen3 with its attention numerics (`
 kept on this machine by notebook 02, else read and probed here: one engine start), eager and fused.
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
-configuration. Configurations run round-robin (the order rotates every round), so load from other
-processes falls on all of them alike. Reported per configuration: median wall time and median CPU time
+configuration. Every round runs each configuration once. Rounds come in pairs: the first in an order shuffled
+afresh (seeded), the second in the reverse order (a fold-over design), so every configuration's mean position in
+a pair is the same and a drift of the machine's speed within the rounds cancels; no configuration always follows
+the same one. After a switch, `--settle` untimed steps run first, so what the previous configuration left
+(allocator, caches) and the switch itself land outside the timed step. Two earlier designs biased the A/A control:
+a fixed rotating order (`--order rotate`, stock always after the same configuration) -2.8% [-5.3%, -0.7%] in 20
+rounds, and a fresh shuffle every round without the reversal +1.4% [+0.0%, +2.8%], where the CPU time drifted
+by 8% over the run and stock sat earlier in its rounds than A/A on average (positions 4.1 and 6.1 of 0-10). Reported per configuration: median wall time and median CPU time
 of this process (less sensitive to being descheduled by other processes), each with the median over
 rounds of the ratio to stock in the same round; and the best (minimum) CPU time with its ratio to
 stock's best, the least disturbed estimate on a shared machine. "stock (A/A)" is stock measured again
 as if it were a separate configuration: its ratios show the noise floor of the comparison. The CPU-time
-ratio also gets a 95% CI: the geometric mean over rounds of the per-round ratio, rounds resampled (a
-bootstrap), so "below a target" is shown by the CI's upper end, not assumed from a median.
+ratio also gets a 95% CI: the geometric mean over rounds of the per-round ratio, pairs of rounds resampled (a
+bootstrap; a pair is the unit, its two rounds share the drift that cancels), so "below a target" is shown by the
+CI's upper end, not assumed from a median. The A/A control's
+CI covering zero is the check that the design itself adds no bias. Each timed step goes to
+results/align_overhead_rounds.csv (round, position in the round, configuration, wall and CPU seconds).
 
 Memory: on CPU, bytes of the tensors autograd saves for backward over one step (unique storages,
 parameters excluded), taken with `torch.autograd.graph.saved_tensors_hooks`. That is the activation
@@ -28,6 +37,7 @@ memory an alignment adds; it is not a process peak (transient buffers are not co
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -41,11 +51,13 @@ from rla_lib import align as rla
 from rla_lib.engine_align import engine_schedule_for
 from rla_lib.graphs import schedule_to_align_kwargs
 from rla_lib.kl import bootstrap_indices
-from rla_lib.machine import use_bf16_matmul
-from rla_lib.paths import MODELS_DIR
+from rla_lib.machine import isa_level, use_bf16_matmul
+from rla_lib.paths import MODELS_DIR, RESULTS_DIR, atomic_write
 from rla_lib.report import save_table
 from rla_lib.vector_sums import rms_sum_layouts
 
+
+ROUNDS_LOG = RESULTS_DIR / "align_overhead_rounds.csv"
 
 # name: (regions, options), or None for stock
 CONFIGS = {
@@ -127,8 +139,10 @@ def step_memory(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
 
 
 def ratio_ci(times: list[float], stock: list[float], n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
-    """Geometric mean of the per-round ratios times/stock and its 95% bootstrap CI (rounds resampled)."""
+    """Geometric mean of the per-round ratios times/stock and its 95% bootstrap CI (pairs of rounds resampled: a
+    round and its reversal, `round_order`; an odd last round is its own unit)."""
     logs = np.log(np.asarray(times) / np.asarray(stock))
+    logs = np.array([logs[i : i + 2].mean() for i in range(0, len(logs), 2)])
     low, high = np.quantile(logs[bootstrap_indices(len(logs), n_boot, seed)].mean(1), [0.025, 0.975])
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
@@ -141,7 +155,16 @@ def use_config(model: torch.nn.Module, config) -> None:
         rla.align(model, regions, **options)
 
 
-def bench_shape(name: str, rounds: int, warmup: int, device: str) -> pd.DataFrame:
+def round_order(configs: list[str], r: int, order: str) -> list[str]:
+    """The configurations of round r: "foldover", shuffled (seeded by the pair r // 2) in even rounds and that
+    order reversed in odd ones; "random", shuffled afresh every round; "rotate", the fixed list rotated by r."""
+    if order == "rotate":
+        return configs[r % len(configs) :] + configs[: r % len(configs)]
+    shuffled = [configs[i] for i in np.random.default_rng(r // 2 if order == "foldover" else r).permutation(len(configs))]
+    return shuffled[::-1] if order == "foldover" and r % 2 else shuffled
+
+
+def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "foldover", settle: int = 1) -> pd.DataFrame:
     build, batch, seq = SHAPES[name]
     torch.manual_seed(0)
     label, model = build(device)
@@ -158,22 +181,28 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str) -> pd.DataFram
         for _ in range(warmup):
             step(model, input_ids)
 
-    order = list(CONFIGS)
+    timed = []
     for r in range(rounds):
-        for config in order[r % len(order) :] + order[: r % len(order)]:
+        for position, config in enumerate(round_order(list(CONFIGS), r, order)):
             use_config(model, CONFIGS[config])
+            for _ in range(settle):
+                step(model, input_ids)
             start_wall, start_cpu = time.perf_counter(), time.process_time()
             step(model, input_ids)
             wall[config].append(time.perf_counter() - start_wall)
             cpu[config].append(time.process_time() - start_cpu)
+            timed.append(dict(shape=name, round=r, position=position, config=config, wall_s=wall[config][-1], cpu_s=cpu[config][-1]))
         print(f"  {name}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     rla.unalign(model)
+    old = pd.read_csv(ROUNDS_LOG) if ROUNDS_LOG.exists() else pd.DataFrame()
+    keep = old[old["shape"] != name] if len(old) else old
+    atomic_write(ROUNDS_LOG, lambda tmp: pd.concat([keep, pd.DataFrame(timed)]).to_csv(tmp, index=False))
 
     def pct(ratio: float) -> str:
         return f"{100 * (ratio - 1):+.2f}%"
 
     threads = f"{torch.get_num_threads()} threads" if device == "cpu" else device
-    print(f"\n{name}: {label}, batch {batch}x{seq} tokens, BF16, {threads}, {rounds} rounds")
+    print(f"\n{name}: {label}, batch {batch}x{seq} tokens, BF16, {threads}, {rounds} rounds ({order} order, {settle} settle step(s))")
     header = ["config", "wall", "vs stock", "CPU", "vs stock", "CPU 95% CI (gmean)", "CPU best", "vs stock", "memory", "vs stock"]
     print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>22}{:>10}{:>10}{:>11}{:>10}".format(*header))
     rows = []
@@ -205,12 +234,21 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-aligned configurations")
     parser.add_argument("--configs", default=None,
                         help="configurations to run, separated by ';' (stock always runs), e.g. 'all 3 fused;engine schedule fused'")
-    parser.add_argument("--rounds", type=int, default=7, help="timed round-robin rounds")
-    parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (pairs under --order foldover: an even number)")
+    parser.add_argument("--warmup", type=int, default=0, help="extra untimed steps per configuration before the rounds")
+    parser.add_argument("--settle", type=int, default=1, help="untimed steps after each switch of configuration")
+    parser.add_argument("--order", choices=["foldover", "random", "rotate"], default="foldover",
+                        help="each round's order: pairs of a shuffle and its reverse (default), a shuffle every "
+                        "round, or the fixed list rotated")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--table", default="bench_align_overhead",
+                        help="the table to write; the README's speed targets read bench_align_overhead_targets first, "
+                        "a run of the target configurations alone (--shape large --configs 'all 3 fused;engine schedule "
+                        "fused;stock (A/A)' --rounds 40)")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
-                        help="write tables/bench_align_overhead.csv (the README's overhead table reads it)")
+                        help="write tables/bench_align_overhead.csv (the README's overhead table reads it; a run capped "
+                        "with `python -m rla_lib.machine --level avx2 ...` writes bench_align_overhead_avx2.csv)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -226,9 +264,10 @@ def main() -> None:
         for name in set(CONFIGS) - keep:
             del CONFIGS[name]
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
-    table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device) for name in shapes])
+    table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device, args.order, args.settle) for name in shapes])
     if args.save:
-        save_table(table.set_index(["shape", "config"]), "bench_align_overhead", vars(args) | {"threads": torch.get_num_threads()})
+        name = args.table + (f"_{isa_level()}" if os.environ.get("RLA_CPU_ISA") else "")  # a capped run's own
+        save_table(table.set_index(["shape", "config"]), name, vars(args) | {"threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

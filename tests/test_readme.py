@@ -78,3 +78,15 @@ def test_run_all_wall_time_counts_notebooks_run_side_by_side_once():
     assert report.wall_seconds(t) == 111.0  # 00 then 06 and 07 together: from 0 s to 06's end at 111 s
     with_rows = pd.concat([t, pd.DataFrame([dict(notebook="total", seconds=170.0), dict(notebook="wall", seconds=111.0)])])
     assert report.wall_seconds(with_rows) == 111.0
+
+
+def test_speed_verdict_says_met_only_where_the_ci_is_below_the_target():
+    checks = [("run-all", 10, " min", {"here": (8.4, 8.4), "avx2": (11.0, 11.0)}),
+              ("overhead", 3, "%", {"here": (-0.2, 2.3), "avx2": (1.0, 4.0)})]
+    words = readme.speed_verdict(checks)
+    here, capped = words.split("Capped to avx2: ")
+    assert "run-all 8.4 min (target 10 min: met)" in here and "overhead -0.2% (target 3%: met)" in here
+    assert "run-all 11.0 min (target 10 min: missed)" in capped
+    assert "overhead 1.0% (target 3%: below on the estimate, not shown: its CI reaches 4.0%)" in capped
+    control = pd.Series(dict(cpu_gmean_ratio=0.972, cpu_ratio_ci_low=0.947, cpu_ratio_ci_high=0.993))
+    assert "CI excludes zero" in readme.speed_verdict(checks, {"here": control}).split("Capped")[0]
