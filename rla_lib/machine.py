@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # The CPU flags that decide which BF16 kernels run (Linux /proc/cpuinfo spelling).
 BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
@@ -254,6 +255,10 @@ class LinearFP32Accumulate(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+            # a graph being traced (torch.compile, `graphs.aten`'s dispatch mode) reads rounding points, not row
+            # bits: it gets the plain product, the pattern the graph reader knows
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 

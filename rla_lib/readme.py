@@ -419,6 +419,56 @@ def _capped_table(name: str):
     return load_table(f"{name}_{CAPPED}") if (TABLES_DIR / f"{name}_{CAPPED}.csv").exists() else None
 
 
+def _speed_overhead(add, checks: list, controls: dict) -> None:
+    """The speed table's alignment-overhead rows (block_speed): the targets' run, its A/A control, the capped run."""
+    if not (TABLES_DIR / "bench_align_overhead.csv").exists():
+        return
+    # a run of the target configurations alone (more rounds in the same time) where there is one
+    name = "bench_align_overhead_targets" if (TABLES_DIR / "bench_align_overhead_targets.csv").exists() else "bench_align_overhead"
+    after, meta = load_table(name)
+    before, _ = load_table("bench_align_overhead_before")
+    capped = _capped_table("bench_align_overhead_targets") or _capped_table("bench_align_overhead")
+    pick = lambda t, config: t[(t["shape"] == "large") & (t["config"] == config)]
+    engine_before = load_table("bench_align_overhead_engine_before")  # the exact kernels as loops of torch ops
+
+    def overhead(t, config) -> str:
+        a, control = pick(t, config).iloc[0], pick(t, "stock (A/A)")
+        text = f"{pct(a.get('cpu_gmean_ratio', a['cpu_ratio']) - 1, 1)}"
+        if "cpu_ratio_ci_low" in a:
+            text += f" [{pct(a['cpu_ratio_ci_low'] - 1, 1)}, {pct(a['cpu_ratio_ci_high'] - 1, 1)}]"
+        if len(control) and "cpu_ratio_ci_low" in control:  # the design's own bias: stock against itself
+            c = control.iloc[0]
+            text += (f"; A/A control {pct(c['cpu_gmean_ratio'] - 1, 1)} [{pct(c['cpu_ratio_ci_low'] - 1, 1)}, "
+                     f"{pct(c['cpu_ratio_ci_high'] - 1, 1)}]")
+        return text
+
+    for where, t in [("here", after)] + ([(CAPPED, capped[0])] if capped else []):
+        control = pick(t, "stock (A/A)")
+        if len(control) and "cpu_ratio_ci_low" in control and not (
+                control.iloc[0]["cpu_ratio_ci_low"] <= 1 <= control.iloc[0]["cpu_ratio_ci_high"]):
+            controls[where] = control.iloc[0]
+    for config, target in [("all 3 fused", "all three regions `fused=True` <= +3%"),
+                           ("engine schedule fused", "engine-aligned (schedule + attention) `fused=True` <= +5%")]:
+        if pick(after, config).empty:
+            continue
+        a, b = pick(after, config).iloc[0], pick(before, config)
+        if len(b):
+            was = f"{pct(b.iloc[0]['cpu_ratio'] - 1, 1)} (median ratio)"
+        else:  # the engine-aligned configuration's: its exact kernels as loops of torch ops
+            b = pick(engine_before[0], config)
+            was = f"{pct(b.iloc[0]['cpu_gmean_ratio'] - 1, 1)} ({engine_before[1]['commit']})" if len(b) else "(new)"
+        rounds = meta.get("params", {}).get("rounds")
+        add(target, f"forward+backward CPU time vs stock, {a['model']}, {a['tokens']} tokens, {rounds} rounds",
+            "benchmarks/align_overhead.py" + (" --table bench_align_overhead_targets ..." if name.endswith("targets") else ""),
+            was, overhead(after, config), meta,
+            capped=overhead(capped[0], config) if capped and not pick(capped[0], config).empty else "(not measured)")
+        if "cpu_ratio_ci_high" in a:
+            ends = lambda r: (100 * (r["cpu_gmean_ratio"] - 1), 100 * (r["cpu_ratio_ci_high"] - 1))
+            has_capped = capped and not pick(capped[0], config).empty
+            checks.append((f"`{config}` overhead", 3 if "all 3" in config else 5, "%", {"here": ends(a)}
+                           | ({CAPPED: ends(pick(capped[0], config).iloc[0])} if has_capped else {})))
+
+
 def block_speed() -> str:
     """Issue 19's targets, each before and after, from the tables the benchmarks and `make run-all` wrote; and after,
     with this CPU capped to AVX2 (no BF16 instructions, the issue's machine kind), where that run's table is there."""
@@ -469,51 +519,7 @@ def block_speed() -> str:
         add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
             f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
             "(not measured)", f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)", meta)
-    if (TABLES_DIR / "bench_align_overhead.csv").exists():
-        # a run of the target configurations alone (more rounds in the same time) where there is one
-        name = "bench_align_overhead_targets" if (TABLES_DIR / "bench_align_overhead_targets.csv").exists() else "bench_align_overhead"
-        after, meta = load_table(name)
-        before, _ = load_table("bench_align_overhead_before")
-        capped = _capped_table("bench_align_overhead_targets") or _capped_table("bench_align_overhead")
-        pick = lambda t, config: t[(t["shape"] == "large") & (t["config"] == config)]
-        engine_before = load_table("bench_align_overhead_engine_before")  # the exact kernels as loops of torch ops
-
-        def overhead(t, config) -> str:
-            a, control = pick(t, config).iloc[0], pick(t, "stock (A/A)")
-            text = f"{pct(a.get('cpu_gmean_ratio', a['cpu_ratio']) - 1, 1)}"
-            if "cpu_ratio_ci_low" in a:
-                text += f" [{pct(a['cpu_ratio_ci_low'] - 1, 1)}, {pct(a['cpu_ratio_ci_high'] - 1, 1)}]"
-            if len(control) and "cpu_ratio_ci_low" in control:  # the design's own bias: stock against itself
-                c = control.iloc[0]
-                text += (f"; A/A control {pct(c['cpu_gmean_ratio'] - 1, 1)} [{pct(c['cpu_ratio_ci_low'] - 1, 1)}, "
-                         f"{pct(c['cpu_ratio_ci_high'] - 1, 1)}]")
-            return text
-
-        for where, t in [("here", after)] + ([(CAPPED, capped[0])] if capped else []):
-            control = pick(t, "stock (A/A)")
-            if len(control) and "cpu_ratio_ci_low" in control and not (
-                    control.iloc[0]["cpu_ratio_ci_low"] <= 1 <= control.iloc[0]["cpu_ratio_ci_high"]):
-                controls[where] = control.iloc[0]
-        for config, target in [("all 3 fused", "all three regions `fused=True` <= +3%"),
-                               ("engine schedule fused", "engine-aligned (schedule + attention) `fused=True` <= +5%")]:
-            if pick(after, config).empty:
-                continue
-            a, b = pick(after, config).iloc[0], pick(before, config)
-            if len(b):
-                was = f"{pct(b.iloc[0]['cpu_ratio'] - 1, 1)} (median ratio)"
-            else:  # the engine-aligned configuration's: its exact kernels as loops of torch ops
-                b = pick(engine_before[0], config)
-                was = f"{pct(b.iloc[0]['cpu_gmean_ratio'] - 1, 1)} ({engine_before[1]['commit']})" if len(b) else "(new)"
-            rounds = meta.get("params", {}).get("rounds")
-            add(target, f"forward+backward CPU time vs stock, {a['model']}, {a['tokens']} tokens, {rounds} rounds",
-                "benchmarks/align_overhead.py" + (" --table bench_align_overhead_targets ..." if name.endswith("targets") else ""),
-                was, overhead(after, config), meta,
-                capped=overhead(capped[0], config) if capped and not pick(capped[0], config).empty else "(not measured)")
-            if "cpu_ratio_ci_high" in a:
-                ends = lambda r: (100 * (r["cpu_gmean_ratio"] - 1), 100 * (r["cpu_ratio_ci_high"] - 1))
-                has_capped = capped and not pick(capped[0], config).empty
-                checks.append((f"`{config}` overhead", 3 if "all 3" in config else 5, "%", {"here": ends(a)}
-                               | ({CAPPED: ends(pick(capped[0], config).iloc[0])} if has_capped else {})))
+    _speed_overhead(add, checks, controls)
     if (TABLES_DIR / "bench_bf16_matmul.csv").exists():
         t, meta = load_table("bench_bf16_matmul")
         low = t[t["level"] == t["level"].iloc[-1]].set_index("kernel")
