@@ -37,7 +37,6 @@ memory an alignment adds; it is not a process peak (transient buffers are not co
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ from rla_lib import align as rla
 from rla_lib.engine_align import engine_schedule_for
 from rla_lib.graphs import schedule_to_align_kwargs
 from rla_lib.kl import bootstrap_indices
-from rla_lib.machine import isa_level, use_bf16_matmul
+from rla_lib.machine import capped_name, use_bf16_matmul
 from rla_lib.paths import MODELS_DIR, RESULTS_DIR, atomic_write
 from rla_lib.report import save_table
 from rla_lib.vector_sums import rms_sum_layouts
@@ -266,8 +265,7 @@ def main() -> None:
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device, args.order, args.settle) for name in shapes])
     if args.save:
-        name = args.table + (f"_{isa_level()}" if os.environ.get("RLA_CPU_ISA") else "")  # a capped run's own
-        save_table(table.set_index(["shape", "config"]), name, vars(args) | {"threads": torch.get_num_threads()})
+        save_table(table.set_index(["shape", "config"]), capped_name(args.table), vars(args) | {"threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Target on 2 CPU cores: <= 0.5 s per step on the embedded model. At real shape (`
 """
 
 import argparse
-import os
 import resource
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ import pandas as pd
 import torch
 
 from rla_lib import grpo
-from rla_lib.machine import isa_level
+from rla_lib.machine import capped_name
 from rla_lib.paths import slug
 from rla_lib.report import save_table
 
@@ -53,7 +52,6 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     print(f"  peak resident memory of the training process: {peak_gb:.2f} GB")
     row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
                                                **tokens, padding_fraction=padding, peak_gb=peak_gb)
-    name = (f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
-            + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name))
-            + (f"_{isa_level()}" if os.environ.get("RLA_CPU_ISA") else ""))  # a capped run (`python -m rla_lib.machine --level avx2 ...`)
+    name = capped_name(f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
+                       + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
     save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

@@ -112,6 +112,11 @@ def isa_level() -> str | None:
     return levels[0] if levels else None
 
 
+def capped_name(name: str) -> str:
+    """`name` for a result a capped run writes: "<name>_<level>" under `RLA_CPU_ISA`, so it sits beside the uncapped one."""
+    return f"{name}_{isa_level()}" if os.environ.get("RLA_CPU_ISA") else name
+
+
 def isa_environment(level: str) -> dict[str, str]:
     """Environment variables that cap a new process (a vLLM engine, a notebook) to `level` on this CPU.
 
