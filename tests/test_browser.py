@@ -13,6 +13,7 @@ import secrets
 import shutil
 import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -31,6 +32,7 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 RUN_ALL_TIMEOUT_S = 900  # a hang guard on a loaded 2-core machine, not a timing assertion
+KERNEL_START_TIMEOUT_S = 600  # the same kind of guard for the kernel's start
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 
 
@@ -80,8 +82,10 @@ def lab_server(tmp_path):
                RLA_FIGURES_DIR=str(tmp_path / "figures"), RLA_RESULTS_DIR=str(tmp_path / "results"),
                RLA_TABLES_DIR=str(tmp_path / "tables"))  # the kernel inherits these: figures stay out of the repo
     port, token = lab.free_port(lab.DEFAULT_PORT + 100), secrets.token_hex(16)
-    extra = [f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--no-browser"]
-    log = open(tmp_path / "lab.log", "w")
+    # IPC, not TCP, between server and kernel: no kernel port can be taken meanwhile by an engine in another test
+    extra = [f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--no-browser",
+             "--KernelManager.transport=ipc"]
+    log = open(tmp_path / "lab.log", "w", buffering=1)
     proc = lab.start(root, port, token, extra, env=env, stdout=log, stderr=log)
     try:
         lab.wait_until_ready(proc, port, token)
@@ -89,6 +93,35 @@ def lab_server(tmp_path):
     finally:
         lab.stop(proc)
         log.close()
+
+
+def lab_api(port, token, path, body=None):
+    """One call to the server's REST API (GET, or POST with a JSON body)."""
+    request = urllib.request.Request(lab.lab_url(port, token, path), method="GET" if body is None else "POST",
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def start_kernel_session(port, token, path, runtime_dir):
+    """The notebook's session with the rla kernel, started through the REST API and answering before the page opens.
+
+    The page then joins a running kernel. Left to the page, a kernel start slowed by a loaded machine can end in
+    JupyterLab's "Select Kernel" dialog instead (seen once in CI). The server reports a kernel "starting" until a
+    client asks it something, so the check is a kernel_info request of our own, over the kernel's connection file."""
+    from jupyter_client import BlockingKernelClient
+
+    session = lab_api(port, token, "api/sessions", {"path": path, "name": path, "type": "notebook",
+                                                    "kernel": {"name": lab.KERNEL}})
+    client = BlockingKernelClient(connection_file=str(runtime_dir / f"kernel-{session['kernel']['id']}.json"))
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S)
+    finally:
+        client.stop_channels()
+    return session["kernel"]["id"]
 
 
 def run_all(page, attempts=5):
@@ -113,13 +146,16 @@ def run_all(page, attempts=5):
 
 
 def dismiss_dialogs(page) -> None:
-    """Accept a modal dialog JupyterLab put up (e.g. the kernel choice when the kernel is slow to start under load):
-    it would take every click. What it said is printed, for the log of a run that fails later anyway."""
+    """Accept a modal dialog JupyterLab put up: it would take every click. A kernel choice is answered with the rla
+    kernel (its list may preselect "No Kernel"). What a dialog said is printed, for the log of a failing run."""
     dialogs = page.locator(".jp-Dialog")
     for _ in range(5):
         if not dialogs.count():
             return
         print("JupyterLab dialog:", " ".join(dialogs.first.inner_text().split()))
+        kernel_choice = dialogs.first.locator("select")
+        if kernel_choice.count():
+            kernel_choice.first.select_option(label="Python (rla)")
         accept = dialogs.first.locator(".jp-Dialog-button.jp-mod-accept")
         if accept.count():
             accept.first.click()
@@ -169,6 +205,7 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             viewport={"width": 1400, "height": 1000})
         page = None
         try:
+            kernel_id = start_kernel_session(port, token, NOTEBOOK, tmp_path / "runtime")
             page = browser.new_page()
             page.set_default_timeout(300_000)  # hang guards on a loaded 2-core machine (a kernel start can take minutes)
             page.goto(lab.lab_url(port, token, f"lab/tree/{NOTEBOOK}"))
@@ -179,6 +216,7 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             errors = page.locator(f"{PANEL} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             assert all(any(ch.isdigit() for ch in t) for t in prompts), (
                 f"run-all stopped: {prompts}\n" + "\n".join(errors.all_inner_texts())[-3000:])
+            assert [k["id"] for k in lab_api(port, token, "api/kernels")] == [kernel_id], "the page started a kernel of its own"
 
             # the chapter's figure (the BF16 grid) rendered as an image in the page
             figure = page.locator(f"{PANEL} .jp-OutputArea-output img").first
@@ -201,6 +239,7 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             if page is not None:
                 page.screenshot(path=str(SCREENSHOTS / "01_failure.png"))  # what the page showed when the test failed
                 dismiss_dialogs(page)  # prints any dialog's text into the failure report
+            print("the end of JupyterLab's log:\n" + (tmp_path / "lab.log").read_text()[-4000:])
             raise
         finally:
             browser.close()
