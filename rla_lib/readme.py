@@ -513,12 +513,18 @@ def block_speed() -> str:
             step(before.iloc[0]), step(after.iloc[0]), meta, before_meta, step(capped[0].iloc[0]) if capped else "(not measured)")
         checks.append(("the GRPO step", 0.5, " s", {"here": (after["total"].iloc[0],) * 2}
                        | ({CAPPED: (capped[0]["total"].iloc[0],) * 2} if capped else {})))
-    if (TABLES_DIR / "bench_grpo_step_bf16_qwen3-0.6b-shape.csv").exists():
-        t, meta = load_table("bench_grpo_step_bf16_qwen3-0.6b-shape")
-        r, p = t.iloc[0], meta.get("params", {})
+    real_shape = "bench_grpo_step_bf16_qwen3-0.6b-shape"
+    if (TABLES_DIR / f"{real_shape}.csv").exists():
+        t, meta = load_table(real_shape)
+        p = meta.get("params", {})
+        with_memory = lambda r: f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)"
+        before = load_table(f"{real_shape}_before") if (TABLES_DIR / f"{real_shape}_before.csv").exists() else None
+        capped = _capped_table(real_shape)
         add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
             f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
-            "(not measured)", f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)", meta)
+            f"{with_memory(before[0].iloc[0])} ({before[1]['commit']})" if before else "(not measured)",
+            f"{with_memory(t.iloc[0])} ({meta['commit']})", meta, before[1] if before else None,
+            f"{with_memory(capped[0].iloc[0])} ({capped[1]['commit']})" if capped else "(not measured)")
     _speed_overhead(add, checks, controls)
     if (TABLES_DIR / "bench_bf16_matmul.csv").exists():
         t, meta = load_table("bench_bf16_matmul")
