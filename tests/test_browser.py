@@ -12,8 +12,11 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 import time
 import urllib.request
+
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +73,7 @@ def chromium():
 
 @pytest.fixture
 def lab_server(tmp_path):
-    """JupyterLab (rla_lib.lab) on a free port with a test token, serving a copy of notebook 01."""
+    """JupyterLab (rla_lib.lab) on a free port with a test token, serving a copy of notebook 01: (port, token, runtime dir)."""
     root = tmp_path / "notebooks"
     root.mkdir()
     shutil.copy(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)
@@ -78,7 +81,10 @@ def lab_server(tmp_path):
     for name, values in LAB_SETTINGS.items():
         (settings / os.path.dirname(name)).mkdir(parents=True, exist_ok=True)
         (settings / name).write_text(json.dumps(values))
-    env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    # The kernel's IPC sockets are files in the runtime folder, whose path must stay under the 107 bytes a Unix socket
+    # address allows: pytest's tmp_path under xdist is too long (ZMQError "File name too long"), so a short one in /tmp.
+    runtime = tempfile.mkdtemp(prefix="rla-lab-", dir="/tmp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTER_RUNTIME_DIR=runtime,
                RLA_FIGURES_DIR=str(tmp_path / "figures"), RLA_RESULTS_DIR=str(tmp_path / "results"),
                RLA_TABLES_DIR=str(tmp_path / "tables"))  # the kernel inherits these: figures stay out of the repo
     port, token = lab.free_port(lab.DEFAULT_PORT + 100), secrets.token_hex(16)
@@ -89,10 +95,11 @@ def lab_server(tmp_path):
     proc = lab.start(root, port, token, extra, env=env, stdout=log, stderr=log)
     try:
         lab.wait_until_ready(proc, port, token)
-        yield port, token
+        yield port, token, Path(runtime)
     finally:
         lab.stop(proc)
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def lab_api(port, token, path, body=None):
@@ -195,7 +202,7 @@ def wait_for_lines(locator, expected, timeout_s=180):
 def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    port, token = lab_server
+    port, token, runtime = lab_server
     SCREENSHOTS.mkdir(exist_ok=True)
     new_value = 1.2  # 1.003 (the default) and 1.2 give different BF16 results after *3
     assert expected_lines(new_value, "*3") != expected_lines(1.003, "*3")
@@ -205,7 +212,7 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             viewport={"width": 1400, "height": 1000})
         page = None
         try:
-            kernel_id = start_kernel_session(port, token, NOTEBOOK, tmp_path / "runtime")
+            kernel_id = start_kernel_session(port, token, NOTEBOOK, runtime)
             page = browser.new_page()
             page.set_default_timeout(300_000)  # hang guards on a loaded 2-core machine (a kernel start can take minutes)
             page.goto(lab.lab_url(port, token, f"lab/tree/{NOTEBOOK}"))
