@@ -15,7 +15,6 @@ import socket
 import tempfile
 import time
 import urllib.request
-
 from pathlib import Path
 
 import pytest
