@@ -17,16 +17,17 @@ the same one. After a switch, `--settle` untimed steps run first, so what the pr
 (allocator, caches) and the switch itself land outside the timed step. Two earlier designs biased the A/A control:
 a fixed rotating order (`--order rotate`, stock always after the same configuration) -2.8% [-5.3%, -0.7%] in 20
 rounds, and a fresh shuffle every round without the reversal +1.4% [+0.0%, +2.8%], where the CPU time drifted
-by 8% over the run and stock sat earlier in its rounds than A/A on average (positions 4.1 and 6.1 of 0-10). Reported per configuration: median wall time and median CPU time
-of this process (less sensitive to being descheduled by other processes), each with the median over
-rounds of the ratio to stock in the same round; and the best (minimum) CPU time with its ratio to
-stock's best, the least disturbed estimate on a shared machine. "stock (A/A)" is stock measured again
-as if it were a separate configuration: its ratios show the noise floor of the comparison. The CPU-time
-ratio also gets a 95% CI: the geometric mean over rounds of the per-round ratio, pairs of rounds resampled (a
-bootstrap; a pair is the unit, its two rounds share the drift that cancels), so "below a target" is shown by the
-CI's upper end, not assumed from a median. The A/A control's
-CI covering zero is the check that the design itself adds no bias. Each timed step goes to
-results/align_overhead_rounds.csv (round, position in the round, configuration, wall and CPU seconds).
+by 8% over the run and stock sat earlier in its rounds than A/A on average (positions 4.1 and 6.1 of 0-10).
+
+Reported per configuration: median wall time and median CPU time of this process (less sensitive to being
+descheduled by other processes), each with the median over rounds of the ratio to stock in the same round; and
+the best (minimum) CPU time with its ratio to stock's best, the least disturbed estimate on a shared machine.
+"stock (A/A)" is stock measured again as if it were a separate configuration: its ratios show the noise floor of
+the comparison. The CPU-time ratio also gets a 95% CI: the geometric mean over rounds of the per-round ratio,
+pairs of rounds resampled (a bootstrap; a pair is the unit, its two rounds share the drift that cancels), so
+"below a target" is shown by the CI's upper end, not assumed from a median. The A/A control's CI covering zero is
+the check that the design itself adds no bias. Each timed step goes to results/align_overhead_rounds.csv (round,
+position in the round, configuration, wall and CPU seconds).
 
 Memory: on CPU, bytes of the tensors autograd saves for backward over one step (unique storages,
 parameters excluded), taken with `torch.autograd.graph.saved_tensors_hooks`. That is the activation

@@ -414,9 +414,19 @@ def _machines(before_meta: dict | None, meta: dict) -> str:
 CAPPED = "avx2"  # the level the speed table also reports, capped on this CPU (`make ... ISA=avx2`)
 
 
+def _optional_table(name: str):
+    """load_table(name), or None where that table has not been written."""
+    return load_table(name) if (TABLES_DIR / f"{name}.csv").exists() else None
+
+
 def _capped_table(name: str):
     """The `name` table a run capped to `CAPPED` wrote (`<name>_avx2`), or None."""
-    return load_table(f"{name}_{CAPPED}") if (TABLES_DIR / f"{name}_{CAPPED}.csv").exists() else None
+    return _optional_table(f"{name}_{CAPPED}")
+
+
+def _without_ci(here, capped=None) -> dict:
+    """A speed check's values for a figure without a CI (its upper end is itself); None where not measured."""
+    return {where: (value, value) for where, value in [("here", here), (CAPPED, capped)] if value is not None}
 
 
 def _speed_overhead(add, checks: list, controls: dict) -> None:
@@ -487,8 +497,8 @@ def block_speed() -> str:
             ".venv/bin/python benchmarks/fresh_clone_test.py --target run-all", f"{minutes(before)} ({before_meta['commit']})",
             f"{minutes(after)} ({meta['commit']})", meta, before_meta,
             f"{minutes(capped[0])} ({capped[1]['commit']})" if capped else "(not measured)")
-        checks.append(("`make run-all`", 10, " min", {"here": (wall_seconds(after) / 60,) * 2}
-                       | ({CAPPED: (wall_seconds(capped[0]) / 60,) * 2} if capped else {})))
+        checks.append(("`make run-all`", 10, " min", _without_ci(wall_seconds(after) / 60,
+                                                                  wall_seconds(capped[0]) / 60 if capped else None)))
     if (TABLES_DIR / "bench_fresh_clone.csv").exists():
         t, meta = load_table("bench_fresh_clone")
         is_capped = t["label"].astype(str).str.startswith(f"ISA={CAPPED}")
@@ -498,9 +508,9 @@ def block_speed() -> str:
         add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
             f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})", counts(last) + _on(last), meta,
             capped=counts(capped_row) if capped_row is not None else "(not measured)")
-        passed = lambda r: r is not None and r["failed"] == 0 and r["exit_code"] == 0  # a failing run's time is no result
-        checks.append(("`make test`", 12, " min", ({"here": (last["test_s"] / 60,) * 2} if passed(last) else {})
-                       | ({CAPPED: (capped_row["test_s"] / 60,) * 2} if passed(capped_row) else {})))
+        # a failing run's time is no result
+        minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and r["failed"] == 0 and r["exit_code"] == 0 else None
+        checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
     step = lambda r: (f"{r['total']:.2f} s ({r['rollout']:.2f} rollout + {r['score']:.2f} scoring + {r['update']:.2f} update + "
                       f"{r['sync']:.2f} weight push)")
     if (TABLES_DIR / "bench_grpo_step_bf16.csv").exists():
@@ -509,14 +519,14 @@ def block_speed() -> str:
         capped = _capped_table("bench_grpo_step_bf16")
         add("GRPO step <= 0.5 s", "default BF16, 16 prompts x 8 samples, median", "benchmarks/grpo_step.py",
             step(before.iloc[0]), step(after.iloc[0]), meta, before_meta, step(capped[0].iloc[0]) if capped else "(not measured)")
-        checks.append(("the GRPO step", 0.5, " s", {"here": (after["total"].iloc[0],) * 2}
-                       | ({CAPPED: (capped[0]["total"].iloc[0],) * 2} if capped else {})))
+        checks.append(("the GRPO step", 0.5, " s", _without_ci(after["total"].iloc[0],
+                                                                capped[0]["total"].iloc[0] if capped else None)))
     real_shape = "bench_grpo_step_bf16_qwen3-0.6b-shape"
     if (TABLES_DIR / f"{real_shape}.csv").exists():
         t, meta = load_table(real_shape)
         p = meta.get("params", {})
         with_memory = lambda r: f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)"
-        before = load_table(f"{real_shape}_before") if (TABLES_DIR / f"{real_shape}_before.csv").exists() else None
+        before = _optional_table(f"{real_shape}_before")
         capped = _capped_table(real_shape)
         add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
             f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
