@@ -271,8 +271,21 @@ class LinearFP32Accumulate(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g = grad.float().reshape(-1, grad.shape[-1])
-        grad_x = rows_times(g, weight.float()).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        rows = x.reshape(-1, x.shape[-1])
+        # Rows with an all-zero gradient (padding and masked positions: a third of a GRPO minibatch) add exact
+        # zeros to every sum, so they are left out: an input-gradient row keeps its bits (rows_times) and the weight
+        # gradient sums the same terms without the zeros (the FP32 library may group them otherwise)
+        live = g.any(1).nonzero()[:, 0]
+        some_dead = len(live) < len(g)
+        if some_dead:
+            g, rows = g[live], rows[live]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = rows_times(g, weight.float()).to(x.dtype)
+            if some_dead:
+                grad_x = x.new_zeros(x.numel() // x.shape[-1], x.shape[-1]).index_copy_(0, live, grad_x)
+            grad_x = grad_x.reshape(x.shape)
+        grad_w = (g.T @ rows.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 

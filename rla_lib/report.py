@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .machine import machine
+from .machine import describe, machine
 from .paths import ROOT, atomic_write
 
 TABLES_DIR = Path(os.environ.get("RLA_TABLES_DIR", ROOT / "tables"))
@@ -110,6 +110,29 @@ def notebook_times(executed_dir: Path | str) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     return pd.concat([table, pd.DataFrame([dict(notebook="total", seconds=table["seconds"].sum()),
                                            dict(notebook="wall", seconds=wall_seconds(table))])], ignore_index=True)
+
+
+# ---- text forms for the README and the notebooks ---------------------------------------------
+def md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:+.{digits}f}%"
+
+
+def pct_ci(value: float, low: float, high: float) -> str:
+    """Whole percents, or two decimals where the interval reaches within 2% of -100% (whole ones would all say -100%)."""
+    digits = 2 if min(value, low, high) < -0.98 else 0
+    return f"{pct(value, digits)} [{pct(low, digits)}, {pct(high, digits)}]"
+
+
+def source(name: str, meta: dict) -> str:
+    """Where a block's numbers come from: file, date, commit, machine."""
+    return (f"_From `tables/{name}.csv` (written {meta.get('written', '?')[:10]}, commit {meta.get('commit') or '?'}; "
+            f"measured on {describe(meta.get('machine', {}))})._")
 
 
 def main(argv=None) -> int:

@@ -93,6 +93,27 @@ def test_fp32_accumulate_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(batched.view(700, 768), whole[0])
 
 
+def test_fp32_accumulate_linear_backward_leaves_out_rows_without_gradient():
+    """Padding rows get an all-zero gradient; the backward leaves them out. The result is exactly that of the live
+    rows alone: their input gradients bit for bit, zeros for the rest, and the weight and bias gradients of the
+    live rows' terms."""
+    x, w, b = operands(m=300, k=256, n=768, seed=6)
+    grad = torch.randn(300, 768, generator=torch.Generator().manual_seed(7)).to(BF16)
+    dead = torch.zeros(300, dtype=torch.bool)
+    dead[::3], dead[250:] = True, True  # scattered rows and a padded tail
+    grad[dead] = 0
+
+    def gradients(rows):
+        xs, ws, bs = (t[rows].clone() if t is x else t.clone() for t in (x, w, b))
+        xs, ws, bs = (t.requires_grad_() for t in (xs, ws, bs))
+        machine.LinearFP32Accumulate.apply(xs[None], ws, bs).backward(grad[rows][None])  # (1, rows, features)
+        return xs.grad, ws.grad, bs.grad
+
+    (gx, gw, gb), (lx, lw, lb) = gradients(slice(None)), gradients(~dead)
+    assert torch.equal(gx[~dead], lx) and not gx[dead].any()
+    assert torch.equal(gw, lw) and torch.equal(gb, lb)
+
+
 def test_use_bf16_matmul_patches_every_linear_and_native_restores_torch_bitwise():
     model = tiny_qwen3().to(BF16).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

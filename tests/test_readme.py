@@ -5,7 +5,7 @@ import re
 import pandas as pd
 import pytest
 
-from rla_lib import readme, report
+from rla_lib import readme, readme_speed, report
 from rla_lib.paths import ROOT
 
 
@@ -83,10 +83,17 @@ def test_run_all_wall_time_counts_notebooks_run_side_by_side_once():
 def test_speed_verdict_says_met_only_where_the_ci_is_below_the_target():
     checks = [("run-all", 10, " min", {"here": (8.4, 8.4), "avx2": (11.0, 11.0)}),
               ("overhead", 3, "%", {"here": (-0.2, 2.3), "avx2": (1.0, 4.0)})]
-    words = readme.speed_verdict(checks)
+    words = readme_speed.speed_verdict(checks)
     here, capped = words.split("Capped to avx2: ")
     assert "run-all 8.4 min (target 10 min: met)" in here and "overhead -0.2% (target 3%: met)" in here
     assert "run-all 11.0 min (target 10 min: missed)" in capped
     assert "overhead 1.0% (target 3%: below on the estimate, not shown: its CI reaches 4.0%)" in capped
     control = pd.Series(dict(cpu_gmean_ratio=0.972, cpu_ratio_ci_low=0.947, cpu_ratio_ci_high=0.993))
-    assert "CI excludes zero" in readme.speed_verdict(checks, {"here": control}).split("Capped")[0]
+    assert "CI excludes zero" in readme_speed.speed_verdict(checks, {"here": control}).split("Capped")[0]
+
+
+def test_speed_verdict_calls_a_miss_out_of_reach_only_where_the_floor_is_above_the_target():
+    checks = [("step", 0.5, " s", {"here": (0.6, 0.6), "avx2": (0.8, 0.8)}, {"here": 0.3, "avx2": 0.59})]
+    here, capped = readme_speed.speed_verdict(checks).split("Capped to avx2: ")
+    assert "step 0.6 s (target 0.5 s: missed)" in here
+    assert "step 0.8 s (target 0.5 s: missed, and out of reach with the same numerics there: the floor is 0.59 s)" in capped

@@ -1,0 +1,215 @@
+"""The README's speed blocks (the turnaround issue's targets), rendered from the benchmarks' tables by `rla_lib.readme`:
+each target before and after, here and with this CPU capped to AVX2, and the verdict words computed from them."""
+
+from __future__ import annotations
+
+from .report import TABLES_DIR, load_table, md_table, pct, source, wall_seconds
+
+
+def _on(row) -> str:
+    """", on <machine>" for a fresh-clone row: the machine it recorded (rows from before 2026-12-01 did not)."""
+    machine = row.get("machine")
+    return f", on {machine}" if isinstance(machine, str) else ", machine not recorded"
+
+
+def block_suite_time() -> str:
+    t, meta = load_table("bench_fresh_clone")
+    parts = [f"{r['label']}: {r['total_s'] / 60:.1f} min ({r['setup_s'] / 60:.1f} set-up + {r['test_s'] / 60:.1f} tests; "
+             f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped; commit {r['commit']}{_on(r)})"
+             for _, r in t.iterrows()]
+    return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
+
+
+def _machine_short(meta: dict) -> str:
+    m = meta.get("machine", {})
+    generation = m.get("cpu_generation") or "generation not recorded"  # machines of one kind differ by CPU generation
+    return (f"{m.get('cpu', '?')} ({generation}), {m.get('isa_level') or m.get('cpu_capability', '?')}, "
+            f"{m.get('cpu_threads', '?')} threads")
+
+
+def _machines(before_meta: dict | None, meta: dict) -> str:
+    """The machine of the 'after' figure, and that of the 'before' one where it was another (or is not known)."""
+    after = _machine_short(meta)
+    if before_meta is None or _machine_short(before_meta) == after:
+        return after
+    return f"before: {_machine_short(before_meta)}; after: {after}"
+
+
+CAPPED = "avx2"  # the level the speed table also reports, capped on this CPU (`make ... ISA=avx2`)
+
+
+def _optional_table(name: str):
+    """load_table(name), or None where that table has not been written."""
+    return load_table(name) if (TABLES_DIR / f"{name}.csv").exists() else None
+
+
+def _capped_table(name: str):
+    """The `name` table a run capped to `CAPPED` wrote (`<name>_avx2`), or None."""
+    return _optional_table(f"{name}_{CAPPED}")
+
+
+def _without_ci(here, capped=None) -> dict:
+    """A speed check's values for a figure without a CI (its upper end is itself); None where not measured."""
+    return {where: (value, value) for where, value in [("here", here), (CAPPED, capped)] if value is not None}
+
+
+def _speed_overhead(add, checks: list, controls: dict) -> None:
+    """The speed table's alignment-overhead rows (block_speed): the targets' run, its A/A control, the capped run."""
+    if not (TABLES_DIR / "bench_align_overhead.csv").exists():
+        return
+    # a run of the target configurations alone (more rounds in the same time) where there is one
+    name = "bench_align_overhead_targets" if (TABLES_DIR / "bench_align_overhead_targets.csv").exists() else "bench_align_overhead"
+    after, meta = load_table(name)
+    before, _ = load_table("bench_align_overhead_before")
+    capped = _capped_table("bench_align_overhead_targets") or _capped_table("bench_align_overhead")
+    pick = lambda t, config: t[(t["shape"] == "large") & (t["config"] == config)]
+    engine_before = load_table("bench_align_overhead_engine_before")  # the exact kernels as loops of torch ops
+
+    def overhead(t, config) -> str:
+        a, control = pick(t, config).iloc[0], pick(t, "stock (A/A)")
+        text = f"{pct(a.get('cpu_gmean_ratio', a['cpu_ratio']) - 1, 1)}"
+        if "cpu_ratio_ci_low" in a:
+            text += f" [{pct(a['cpu_ratio_ci_low'] - 1, 1)}, {pct(a['cpu_ratio_ci_high'] - 1, 1)}]"
+        if len(control) and "cpu_ratio_ci_low" in control:  # the design's own bias: stock against itself
+            c = control.iloc[0]
+            text += (f"; A/A control {pct(c['cpu_gmean_ratio'] - 1, 1)} [{pct(c['cpu_ratio_ci_low'] - 1, 1)}, "
+                     f"{pct(c['cpu_ratio_ci_high'] - 1, 1)}]")
+        return text
+
+    for where, t in [("here", after)] + ([(CAPPED, capped[0])] if capped else []):
+        control = pick(t, "stock (A/A)")
+        if len(control) and "cpu_ratio_ci_low" in control and not (
+                control.iloc[0]["cpu_ratio_ci_low"] <= 1 <= control.iloc[0]["cpu_ratio_ci_high"]):
+            controls[where] = control.iloc[0]
+    for config, target in [("all 3 fused", "all three regions `fused=True` <= +3%"),
+                           ("engine schedule fused", "engine-aligned (schedule + attention) `fused=True` <= +5%")]:
+        if pick(after, config).empty:
+            continue
+        a, b = pick(after, config).iloc[0], pick(before, config)
+        if len(b):
+            was = f"{pct(b.iloc[0]['cpu_ratio'] - 1, 1)} (median ratio)"
+        else:  # the engine-aligned configuration's: its exact kernels as loops of torch ops
+            b = pick(engine_before[0], config)
+            was = f"{pct(b.iloc[0]['cpu_gmean_ratio'] - 1, 1)} ({engine_before[1]['commit']})" if len(b) else "(new)"
+        rounds = meta.get("params", {}).get("rounds")
+        add(target, f"forward+backward CPU time vs stock, {a['model']}, {a['tokens']} tokens, {rounds} rounds",
+            "benchmarks/align_overhead.py" + (" --table bench_align_overhead_targets ..." if name.endswith("targets") else ""),
+            was, overhead(after, config), meta,
+            capped=overhead(capped[0], config) if capped and not pick(capped[0], config).empty else "(not measured)")
+        if "cpu_ratio_ci_high" in a:
+            ends = lambda r: (100 * (r["cpu_gmean_ratio"] - 1), 100 * (r["cpu_ratio_ci_high"] - 1))
+            has_capped = capped and not pick(capped[0], config).empty
+            checks.append((f"`{config}` overhead", 3 if "all 3" in config else 5, "%", {"here": ends(a)}
+                           | ({CAPPED: ends(pick(capped[0], config).iloc[0])} if has_capped else {})))
+
+
+def block_speed() -> str:
+    """Issue 19's targets, each before and after, from the tables the benchmarks and `make run-all` wrote; and after,
+    with this CPU capped to AVX2 (no BF16 instructions, the issue's machine kind), where that run's table is there."""
+    rows, checks = [], []  # checks: (target, limit, unit, {"here" | CAPPED: (value, upper end of its CI)})
+    controls = {}  # where the alignment-overhead benchmark's A/A control (stock against itself) excludes zero
+
+    def add(target, what, command, before, after, meta, before_meta=None, capped="(not measured)"):
+        rows.append([target, what, before, after, capped, f"`{command}`", _machines(before_meta, meta)])
+
+    minutes = lambda t: f"{wall_seconds(t) / 60:.1f} min"
+    if (TABLES_DIR / "run_all_time.csv").exists():
+        after, meta = load_table("run_all_time")
+        before, before_meta = load_table("run_all_time_before")
+        capped = _capped_table("run_all_time")
+        add("`make run-all` <= 10 min", "all notebooks after set-up (first start to last end), fresh clone, cold compile caches",
+            ".venv/bin/python benchmarks/fresh_clone_test.py --target run-all", f"{minutes(before)} ({before_meta['commit']})",
+            f"{minutes(after)} ({meta['commit']})", meta, before_meta,
+            f"{minutes(capped[0])} ({capped[1]['commit']})" if capped else "(not measured)")
+        checks.append(("`make run-all`", 10, " min", _without_ci(wall_seconds(after) / 60,
+                                                                  wall_seconds(capped[0]) / 60 if capped else None)))
+    if (TABLES_DIR / "bench_fresh_clone.csv").exists():
+        t, meta = load_table("bench_fresh_clone")
+        is_capped = t["label"].astype(str).str.startswith(f"ISA={CAPPED}")
+        first, last = t[~is_capped].iloc[0], t[~is_capped].iloc[-1]
+        capped_row = t[is_capped].iloc[-1] if is_capped.any() else None
+        counts = lambda r: f"{r['test_s'] / 60:.1f} min ({r['commit']}), {r['passed']} passed, {r['failed']} failed"
+        add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
+            f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})", counts(last) + _on(last), meta,
+            capped=counts(capped_row) if capped_row is not None else "(not measured)")
+        # a failing run's time is no result
+        minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and r["failed"] == 0 and r["exit_code"] == 0 else None
+        checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
+    def step(r) -> str:
+        text = (f"{r['total']:.2f} s ({r['rollout']:.2f} rollout + {r['score']:.2f} scoring + {r['update']:.2f} update + "
+                f"{r['sync']:.2f} weight push)")
+        if r.get("floor") is not None:  # tables written before the floor was measured have none
+            text += (f"; floor {r['floor']:.2f} s = the engine's rollout + {r['training_floor']:.2f} s of linear-layer "
+                     f"arithmetic on the real tokens at {r['gemm_gflops']:.0f} GFLOP/s")
+        return text
+
+    if (TABLES_DIR / "bench_grpo_step_bf16.csv").exists():
+        after, meta = load_table("bench_grpo_step_bf16")
+        before, before_meta = load_table("bench_grpo_step_bf16_before")
+        capped = _capped_table("bench_grpo_step_bf16")
+        add("GRPO step <= 0.5 s", "default BF16, 16 prompts x 8 samples, median", "benchmarks/grpo_step.py",
+            step(before.iloc[0]), step(after.iloc[0]), meta, before_meta, step(capped[0].iloc[0]) if capped else "(not measured)")
+        floor = lambda t: t["floor"].iloc[0] if "floor" in t else None
+        checks.append(("the GRPO step", 0.5, " s", _without_ci(after["total"].iloc[0],
+                                                                capped[0]["total"].iloc[0] if capped else None),
+                       {where: f for where, f in [("here", floor(after)), (CAPPED, floor(capped[0]) if capped else None)]
+                        if f is not None}))
+    real_shape = "bench_grpo_step_bf16_qwen3-0.6b-shape"
+    if (TABLES_DIR / f"{real_shape}.csv").exists():
+        t, meta = load_table(real_shape)
+        p = meta.get("params", {})
+        with_memory = lambda r: f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)"
+        before = _optional_table(f"{real_shape}_before")
+        capped = _capped_table(real_shape)
+        add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
+            f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
+            f"{with_memory(before[0].iloc[0])} ({before[1]['commit']})" if before else "(not measured)",
+            f"{with_memory(t.iloc[0])} ({meta['commit']})", meta, before[1] if before else None,
+            f"{with_memory(capped[0].iloc[0])} ({capped[1]['commit']})" if capped else "(not measured)")
+    _speed_overhead(add, checks, controls)
+    if (TABLES_DIR / "bench_bf16_matmul.csv").exists():
+        t, meta = load_table("bench_bf16_matmul")
+        low = t[t["level"] == t["level"].iloc[-1]].set_index("kernel")
+        add("BF16 training math at FP32 speed without BF16 instructions",
+            f"qwen3-tiny forward+backward at level {t['level'].iloc[-1]}: torch's BF16 GEMM -> "
+            "BF16 via FP32 products", "benchmarks/bf16_matmul.py", f"{low.loc['native', 'model_forward_backward_s']:.2f} s",
+            f"{low.loc['fp32', 'model_forward_backward_s']:.2f} s (FP32 model: {low.loc['float32', 'model_forward_backward_s']:.2f} s)",
+            meta, capped="(the after column is at avx2)")
+    if not rows:
+        raise FileNotFoundError("no speed tables yet")
+    table = md_table(["target", "what", "before", "after", f"after, capped to {CAPPED} (`ISA={CAPPED}`)", "measured by",
+                      "machine"], rows)
+    return "\n\n".join([table, speed_verdict(checks, controls)])
+
+
+def speed_verdict(checks, controls=None) -> str:
+    """Which targets hold, here and capped, in words: a target with a CI holds where the CI's upper end is below it."""
+    number = lambda value, unit: (f"{value:.1f}{unit}" if unit == "%" else f"{value:.2g}{unit}" if value < 1
+                                  else f"{value:.1f}{unit}")
+
+    def says(value, high, limit, unit, floor=None):
+        figure = number(value, unit)
+        if high <= limit:
+            return f"{figure} (target {limit:g}{unit}: met)"
+        if value <= limit:
+            return f"{figure} (target {limit:g}{unit}: below on the estimate, not shown: its CI reaches {high:.1f}{unit})"
+        if floor is not None and floor > limit:  # the benchmark's lower bound for these numerics on this machine
+            return (f"{figure} (target {limit:g}{unit}: missed, and out of reach with the same numerics there: "
+                    f"the floor is {number(floor, unit)})")
+        return f"{figure} (target {limit:g}{unit}: missed)"
+
+    parts = []
+    for where, name in [("here", "On this CPU"), (CAPPED, f"Capped to {CAPPED}")]:
+        said = []
+        for target, limit, unit, values, *floors in checks:  # floors: {where: the benchmark's floor}, if it has one
+            if where in values:
+                said.append(f"{target} {says(*values[where], limit, unit, floors[0].get(where) if floors else None)}")
+        if said:
+            parts.append(f"{name}: " + "; ".join(said) + ".")
+        if where in (controls or {}):
+            c = controls[where]
+            parts.append(f"(There the overhead benchmark's A/A control, stock against itself, came out "
+                         f"{pct(c['cpu_gmean_ratio'] - 1, 1)} [{pct(c['cpu_ratio_ci_low'] - 1, 1)}, "
+                         f"{pct(c['cpu_ratio_ci_high'] - 1, 1)}]: its CI excludes zero, so the overhead CIs understate "
+                         f"the run's drift.)")
+    return " ".join(parts)
