@@ -158,7 +158,7 @@ def block_speed() -> str:
     if (TABLES_DIR / f"{real_shape}.csv").exists():
         t, meta = load_table(real_shape)
         p = meta.get("params", {})
-        with_memory = lambda r: f"{step(r)}, peak {r['peak_gb']:.1f} GB (training process)"
+        with_memory = lambda r: f"{step(r)}; peak {r['peak_gb']:.1f} GB (training process)"
         before = _optional_table(f"{real_shape}_before")
         capped = _capped_table(real_shape)
         add("GRPO step at the real shape: time and peak memory", f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
