@@ -283,7 +283,7 @@ class LinearFP32Accumulate(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = rows_times(g, weight.float()).to(x.dtype)
             if some_dead:
-                grad_x = x.new_zeros(x.numel() // x.shape[-1], x.shape[-1]).index_copy_(0, live, grad_x)
+                grad_x = x.new_zeros(x.shape).view(-1, x.shape[-1]).index_copy_(0, live, grad_x)
             grad_x = grad_x.reshape(x.shape)
         grad_w = (g.T @ rows.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -104,8 +104,7 @@ def test_fp32_accumulate_linear_backward_leaves_out_rows_without_gradient():
     grad[dead] = 0
 
     def gradients(rows):
-        xs, ws, bs = (t[rows].clone() if t is x else t.clone() for t in (x, w, b))
-        xs, ws, bs = (t.requires_grad_() for t in (xs, ws, bs))
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x[rows], w, b))
         machine.LinearFP32Accumulate.apply(xs[None], ws, bs).backward(grad[rows][None])  # (1, rows, features)
         return xs.grad, ws.grad, bs.grad
 
