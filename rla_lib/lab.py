@@ -66,20 +66,21 @@ def lab_url(port: int, token: str, path: str = "lab") -> str:
     return f"http://{HOST}:{port}/{path}?token={token}"
 
 
-def lab_command(port: int, token: str, notebook_dir: Path, extra=()) -> list[str]:
+def lab_command(port: int, token: str, notebook_dir: Path, extra=(), log_level: str = "WARN") -> list[str]:
     """`jupyter lab` on 127.0.0.1:port, quiet log, `rla` the default kernel, no update checks (no network)."""
     return [sys.executable, "-m", "jupyterlab", str(notebook_dir),
             f"--ServerApp.ip={HOST}", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", "--log-level=WARN",
+            f"--IdentityProvider.token={token}", f"--log-level={log_level}",
             f"--MappingKernelManager.default_kernel_name={KERNEL}",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             *(["--allow-root"] if os.geteuid() == 0 else []), *extra]  # containers and CI run as root
 
 
-def start(notebook_dir: Path, port: int, token: str, extra=(), env=None, **popen_kwargs) -> subprocess.Popen:
+def start(notebook_dir: Path, port: int, token: str, extra=(), env=None, log_level="WARN",
+          **popen_kwargs) -> subprocess.Popen:
     """Start the server (after checking the kernel); `wait_until_ready` before using it."""
     require_kernel()
-    return subprocess.Popen(lab_command(port, token, notebook_dir, extra), env=env, **popen_kwargs)
+    return subprocess.Popen(lab_command(port, token, notebook_dir, extra, log_level), env=env, **popen_kwargs)
 
 
 def wait_until_ready(proc: subprocess.Popen, port: int, token: str, timeout: float = 120) -> None:

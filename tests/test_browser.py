@@ -89,9 +89,12 @@ def lab_server(tmp_path):
     port, token = lab.free_port(lab.DEFAULT_PORT + 100), secrets.token_hex(16)
     # IPC, not TCP, between server and kernel: no kernel port can be taken meanwhile by an engine in another test
     extra = [f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--no-browser",
-             "--KernelManager.transport=ipc"]
+             "--KernelManager.transport=ipc",
+             # the server presumes a kernel dead after 60 s without a kernel_info reply; a loaded machine takes longer
+             f"--MappingKernelManager.kernel_info_timeout={KERNEL_START_TIMEOUT_S}"]
     log = open(tmp_path / "lab.log", "w", buffering=1)
-    proc = lab.start(root, port, token, extra, env=env, stdout=log, stderr=log)
+    # INFO: kernel starts, restarts and shutdowns go into lab.log, for the report of a failing run
+    proc = lab.start(root, port, token, extra, env=env, log_level="INFO", stdout=log, stderr=log)
     try:
         lab.wait_until_ready(proc, port, token)
         yield port, token, Path(runtime)
@@ -130,13 +133,13 @@ def start_kernel_session(port, token, path, runtime_dir):
     return session["kernel"]["id"]
 
 
-def run_all(page, attempts=5):
+def run_all(page, kernel_id, attempts=5):
     """Run > Run All Cells, again if no cell starts (the menu command stays disabled until the kernel is ready)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout  # installed where the browser tests run
 
     prompts = page.locator(f"{PANEL} .jp-CodeCell .jp-InputArea-prompt")
     for _ in range(attempts):
-        dismiss_dialogs(page)
+        dismiss_dialogs(page, kernel_id)
         try:  # a dialog appearing now takes the click: dismiss it on the next attempt
             page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text="Run").first.click(timeout=15_000)
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click(timeout=15_000)
@@ -147,13 +150,15 @@ def run_all(page, attempts=5):
                 return
             page.wait_for_timeout(1000)
         page.keyboard.press("Escape")
-    dismiss_dialogs(page)
+    dismiss_dialogs(page, kernel_id)
     raise AssertionError(f"Run All Cells started no cell in {attempts} attempts")
 
 
-def dismiss_dialogs(page) -> None:
-    """Accept a modal dialog JupyterLab put up: it would take every click. A kernel choice is answered with the rla
-    kernel (its list may preselect "No Kernel"). What a dialog said is printed, for the log of a failing run."""
+def dismiss_dialogs(page, kernel_id) -> None:
+    """Accept a modal dialog JupyterLab put up: it would take every click. What a dialog said is printed, for the log of
+    a failing run. A kernel choice is answered with the test's running kernel where the list offers it ("Connect to
+    Existing Kernel"): starting another instead shuts the current one down, and under load that loops (seen in CI,
+    ten dialogs in 15 min, each new kernel interrupted while it still imported). Otherwise the rla kernel."""
     dialogs = page.locator(".jp-Dialog")
     for _ in range(5):
         if not dialogs.count():
@@ -161,13 +166,48 @@ def dismiss_dialogs(page) -> None:
         print("JupyterLab dialog:", " ".join(dialogs.first.inner_text().split()))
         kernel_choice = dialogs.first.locator("select")
         if kernel_choice.count():
-            kernel_choice.first.select_option(label="Python (rla)")
+            kernel_choice.first.select_option(label=kernel_option(kernel_choice.first, kernel_id))
         accept = dialogs.first.locator(".jp-Dialog-button.jp-mod-accept")
         if accept.count():
             accept.first.click()
         else:
             page.keyboard.press("Escape")
         page.wait_for_timeout(500)
+
+
+def kernel_option(select, kernel_id) -> str:
+    """The label of the kernel list's entry for `kernel_id` (JupyterLab writes "name (first part of the id)"), else
+    the rla kernel's."""
+    labels = [text.strip() for text in select.evaluate("s => Array.from(s.options).map(o => o.text)")]
+    running = [text for text in labels if text.endswith(f"({kernel_id.split('-')[0]})")]
+    return running[0] if running else "Python (rla)"
+
+
+def wait_until_page_joins(page, port, token, kernel_id):
+    """Until the server counts a connection to the test's kernel: the page's own (ours was closed). A kernel dialog
+    meanwhile is answered with that kernel."""
+    deadline = time.monotonic() + KERNEL_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(k["id"] == kernel_id and k["connections"] > 0 for k in lab_api(port, token, "api/kernels")):
+            return
+        dismiss_dialogs(page, kernel_id)
+        page.wait_for_timeout(1000)
+    raise TimeoutError(f"the page did not connect to kernel {kernel_id} within {KERNEL_START_TIMEOUT_S} s")
+
+
+def failure_report(log_path, port, token, kernel_id, console) -> str:
+    """What a failing run's report needs: the server's kernels and warnings from the start (a tail alone missed how
+    the trouble began), the end of its log and the page's console errors."""
+    log = log_path.read_text()
+    try:
+        kernels = [(k["id"], k["execution_state"], k["connections"]) for k in lab_api(port, token, "api/kernels")]
+    except OSError as e:
+        kernels = f"(no answer: {e})"
+    notable = [line for line in log.splitlines() if line.startswith(("[W", "[E", "[C")) or "Kernel " in line]
+    return (f"the test's kernel: {kernel_id}; the server's kernels (id, state, connections): {kernels}\n"
+            "JupyterLab's warnings and kernel events:\n" + "\n".join(notable)[:6000] +
+            "\nthe end of JupyterLab's log:\n" + log[-3000:] + "\nthe page's console errors and warnings:\n" +
+            "\n".join(console[-40:]))
 
 
 def wait_for_run_all(page):
@@ -209,15 +249,17 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
             viewport={"width": 1400, "height": 1000})
-        page = None
+        page, kernel_id, console = None, "", []
         try:
             kernel_id = start_kernel_session(port, token, NOTEBOOK, runtime)
             page = browser.new_page()
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
             page.set_default_timeout(300_000)  # hang guards on a loaded 2-core machine (a kernel start can take minutes)
             page.goto(lab.lab_url(port, token, f"lab/tree/{NOTEBOOK}"))
+            wait_until_page_joins(page, port, token, kernel_id)
             page.locator(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
 
-            run_all(page)
+            run_all(page, kernel_id)
             prompts = wait_for_run_all(page)
             errors = page.locator(f"{PANEL} .jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             assert all(any(ch.isdigit() for ch in t) for t in prompts), (
@@ -241,11 +283,21 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             number.press("Enter")
             wait_for_lines(output, expected_lines(new_value, "*3"))
             page.screenshot(path=str(SCREENSHOTS / "01_widget_after.png"))
+
+            # a kernel dialog is answered with the running kernel: nothing is restarted, the notebook still runs
+            page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Change Kernel").first.click()
+            page.locator(".jp-Dialog select").wait_for()
+            dismiss_dialogs(page, kernel_id)
+            number.fill(str(new_value * 2))
+            number.press("Enter")
+            wait_for_lines(output, expected_lines(new_value * 2, "*3"))
+            assert [k["id"] for k in lab_api(port, token, "api/kernels")] == [kernel_id], "the dialog's answer started a kernel"
         except Exception:
             if page is not None:
                 page.screenshot(path=str(SCREENSHOTS / "01_failure.png"))  # what the page showed when the test failed
-                dismiss_dialogs(page)  # prints any dialog's text into the failure report
-            print("the end of JupyterLab's log:\n" + (tmp_path / "lab.log").read_text()[-4000:])
+                dismiss_dialogs(page, kernel_id)  # prints any dialog's text into the failure report
+            print(failure_report(tmp_path / "lab.log", port, token, kernel_id, console))
             raise
         finally:
             browser.close()
