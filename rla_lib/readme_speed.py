@@ -21,8 +21,8 @@ def block_suite_time() -> str:
 
 
 def _spread(runs, limit: float, last: int = 5) -> str:
-    """How the latest passing runs on the newest run's machine spread (this VM's speed varies by a third from run to
-    run, so one run is not the machine's figure)."""
+    """How the latest passing runs on the newest run's machine spread (this VM's speed varies from run to run, by up
+    to 60% in the table, so one run is not the machine's figure)."""
     runs = runs[(runs["machine"] == runs["machine"].iloc[-1]) & (runs["failed"] == 0) & (runs["exit_code"] == 0)]
     minutes = runs["test_s"].tail(last) / 60
     if len(minutes) < 2:
