@@ -30,6 +30,7 @@ from rla_lib.models import resolve_model
 from rla_lib.paths import slug
 from rla_lib.report import save_table
 
+
 def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]]]:
     """GFLOP of the training side's linear layers per real token of a step (the update's forward and backward,
     6 per weight; the no-grad scoring of the minibatches after the first, 2 per weight), and their (in, out) shapes."""

@@ -20,10 +20,15 @@ def block_suite_time() -> str:
     return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
 
 
+def _passed(runs):
+    """Whether a fresh-clone run (a row, or each row of a table) passed: a failing run's time is no result."""
+    return (runs["failed"] == 0) & (runs["exit_code"] == 0)
+
+
 def _spread(runs, limit: float, last: int = 5) -> str:
     """How the latest passing runs on the newest run's machine spread (this VM's speed varies from run to run, by up
     to 60% in the table, so one run is not the machine's figure)."""
-    runs = runs[(runs["machine"] == runs["machine"].iloc[-1]) & (runs["failed"] == 0) & (runs["exit_code"] == 0)]
+    runs = runs[(runs["machine"] == runs["machine"].iloc[-1]) & _passed(runs)]
     minutes = runs["test_s"].tail(last) / 60
     if len(minutes) < 2:
         return ""
@@ -144,8 +149,7 @@ def block_speed() -> str:
             f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})",
             counts(last) + _on(last) + _spread(t[~is_capped], 12), meta,
             capped=counts(capped_row) if capped_row is not None else "(not measured)")
-        # a failing run's time is no result
-        minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and r["failed"] == 0 and r["exit_code"] == 0 else None
+        minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and _passed(r) else None
         checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
     def step(r) -> str:
         text = (f"{r['total']:.2f} s ({r['rollout']:.2f} rollout + {r['score']:.2f} scoring + {r['update']:.2f} update + "
