@@ -49,11 +49,12 @@ run-all: setup
 	@# papermill's and the kernel's own log goes to notebooks/executed/NN_name.log, shown here without the kernel's
 	@# notice at every start that it listens on local TCP without encryption, and without the line an idle kernel may
 	@# print for the SIGINT jupyter_client sends with every shutdown. One notebook at a time: 06 and 07 side
-	@# by side took 12.7 min in all instead of 10.3 (their processes then oversubscribe the two cores).
+	@# by side took 12.7 min in all instead of 10.3 (their processes then oversubscribe the two cores). A kernel start
+	@# gets 600 s, a hang guard: papermill's 60 s can pass on a loaded 2-core machine.
 	@for nb in $(NOTEBOOKS); do \
 		name=$$(basename $$nb .ipynb); echo "== $$nb"; \
 		params=$$(grep -q '"live_widget = ' $$nb && echo "-p live_widget False"); \
-		RLA_PROGRESS=0 $(CAP) $(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar \
+		RLA_PROGRESS=0 $(CAP) $(VENV)/bin/papermill --kernel $(KERNEL) --cwd notebooks --log-level WARNING --no-progress-bar --start-timeout 600 \
 			$$params $$nb notebooks/executed/$$name.ipynb 2> notebooks/executed/$$name.log; status=$$?; \
 		grep -v -e 'Kernel is running over TCP without encryption' -e 'KeyboardInterrupt caught in kernel' notebooks/executed/$$name.log; \
 		[ $$status -eq 0 ] || { echo "$$nb failed (log: notebooks/executed/$$name.log; executed copy: notebooks/executed/$$name.ipynb)"; exit 1; }; \

@@ -7,6 +7,12 @@ Clones HEAD (or --commit) into a temporary folder, runs `make setup` and then `m
 pytest's counts to tables/bench_fresh_clone.csv (one row per label; the README's "Time" line reads it).
 Takes as long as the suite: about 10 minutes on 2 cores.
 
+--repeat N [--load]: `make test` N times in one fresh clone (set-up once), optionally beside a CPU hog pinned to one
+core for the whole run (`--load`: what a busy CI machine does to the suite's timing assumptions). Each test's outcome
+in each run (pytest's JUnit XML) goes to tables/bench_suite_repeats.csv, one column group per condition
+("plain" or "loaded", at the clone's ISA level: `--env ISA=avx2` for the AVX2 cap); every run's time goes to
+tables/bench_fresh_clone.csv as "<condition> #k". A test that failed once is a flaky test to fix at its root.
+
 --target run-all: `make run-all` in the clone, with compile caches as cold as on a fresh machine (TMPDIR, where
 inductor and the capped levels keep theirs, is a new empty folder; vLLM's own cache is in the clone). The clone's
 per-notebook times (`rla_lib.report times`) are copied to tables/<--table>.csv, which the README's speed table reads.
@@ -17,13 +23,16 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 
-from rla_lib.machine import cpu_generation, cpu_model
+from rla_lib.machine import cpu_generation, cpu_model, isa_levels
 from rla_lib.paths import RESULTS_DIR, ROOT, atomic_write
 from rla_lib.report import TABLES_DIR, notebook_times, save_table
 
@@ -39,6 +48,93 @@ def pytest_counts(output: str) -> dict[str, int]:
     summaries = [{k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", line)}
                  for line in re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?) in [\d.]+s", output, re.M)]
     return max(summaries, key=lambda c: sum(c.values()), default={})  # the suite's, not the smaller align runs after it
+
+
+def test_outcomes(junit_xml: Path) -> dict[str, str]:
+    """Each test's outcome in one run from pytest's JUnit XML: passed, failed, skipped or xfailed."""
+    outcomes = {}
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        skipped = case.find("skipped")
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcomes[name] = "failed"
+        elif skipped is not None:
+            outcomes[name] = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
+        else:
+            outcomes[name] = "passed"
+    return outcomes
+
+
+@contextmanager
+def cpu_hog(load: bool):
+    """A busy loop pinned to core 0 for the duration (nothing if not `load`)."""
+    if not load:
+        yield
+        return
+    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def save_repeats(condition: str, runs: list[dict[str, str]]) -> pd.DataFrame:
+    """Per test, how many of `runs` it passed (and failed) under `condition`, merged into tables/bench_suite_repeats.csv
+    beside the other conditions' columns."""
+    tests = sorted({t for r in runs for t in r})
+    count = lambda t, outcome: sum(r.get(t) == outcome for r in runs)
+    new = pd.DataFrame({"test": tests, f"{condition}: runs": len(runs),
+                        f"{condition}: passed": [count(t, "passed") for t in tests],
+                        f"{condition}: failed": [count(t, "failed") for t in tests],
+                        f"{condition}: skipped or xfailed": [count(t, "skipped") + count(t, "xfailed") for t in tests]})
+    path = TABLES_DIR / "bench_suite_repeats.csv"
+    if path.exists():
+        old = pd.read_csv(path)
+        old = old[[c for c in old.columns if not c.startswith(f"{condition}: ")]]
+        new = old.merge(new, on="test", how="outer")
+    new = new.set_index("test").sort_index()
+    save_table(new, "bench_suite_repeats", dict(conditions=sorted({c.split(": ")[0] for c in new.columns})))
+    return new
+
+
+def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: int, load: bool) -> int:
+    """`make test` `repeat` times in the clone (beside a CPU hog if `load`); per-test outcomes and each run's time saved."""
+    level = env.get("ISA") or isa_levels()[0]
+    condition = f"{'loaded' if load else 'plain'}, {level}"
+    runs, exit_codes = [], []
+    for k in range(1, repeat + 1):
+        junit = clone / f".junit-{k}.xml"
+        with cpu_hog(load):
+            test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone, env)
+        atomic_write(RESULTS_DIR / f"fresh_clone_{slug_condition(condition)}_{k}.log", lambda tmp: tmp.write_text(out))
+        runs.append(test_outcomes(junit) if junit.exists() else {})
+        exit_codes.append(rc)
+        failed = sorted(t for t, o in runs[-1].items() if o == "failed")
+        print(f"{condition} #{k}: exit {rc}, {test_s / 60:.1f} min, {len(runs[-1])} tests, failed: {failed or 'none'}", flush=True)
+        record_run(f"{condition} #{k}", commit, setup_s if k == 1 else 0, test_s, out, rc)
+    table = save_repeats(condition, runs)
+    flaky = table[table[f"{condition}: failed"] > 0]
+    print(f"{condition}: {repeat} runs; tests that failed at least once: {list(flaky.index) or 'none'}")
+    return max(exit_codes)
+
+
+def slug_condition(condition: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", condition.lower()).strip("_")
+
+
+def record_run(label: str, commit: str, setup_s: float, test_s: float, out: str, rc: int) -> dict:
+    """One `make test` run's times and pytest's counts as a row of tables/bench_fresh_clone.csv (by label)."""
+    counts = pytest_counts(out)
+    row = dict(label=label, commit=commit, machine=f"{cpu_model()} ({cpu_generation()})", setup_s=round(setup_s),
+               test_s=round(test_s), total_s=round(setup_s + test_s),
+               passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
+               skipped=counts.get("skipped", 0), exit_code=rc)
+    path = TABLES_DIR / "bench_fresh_clone.csv"
+    old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=list(row))
+    table = pd.concat([old[old["label"] != label], pd.DataFrame([row])], ignore_index=True)
+    save_table(table.set_index("label"), "bench_fresh_clone", dict(labels=list(table["label"])))
+    return row
 
 
 def run_all(clone: Path, env: dict, setup_s: float, commit: str, table: str) -> None:
@@ -66,7 +162,14 @@ def main() -> None:
     parser.add_argument("--table", default="run_all_time", help="--target run-all: the table the times go to")
     parser.add_argument("--commit", default="HEAD", help="the commit to check out in the clone (e.g. the one before a "
                         "change, for a before/after pair measured on one machine)")
+    parser.add_argument("--repeat", type=int, default=0, help="run `make test` this many times in the clone and count "
+                        "each test's outcomes (tables/bench_suite_repeats.csv)")
+    parser.add_argument("--load", action="store_true", help="with --repeat: a CPU hog on core 0 for the whole run")
     args = parser.parse_args()
+    if args.load and not args.repeat:
+        parser.error("--load goes with --repeat N")
+    if args.repeat and args.target != "test":
+        parser.error("--repeat runs `make test`: leave out --target run-all")
     extra = dict(kv.split("=", 1) for kv in args.env)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLA_", "VIRTUAL_ENV"))} | extra
     label = args.label or (",".join(args.env) or "default")
@@ -81,20 +184,13 @@ def main() -> None:
         if args.target == "run-all":
             run_all(Path(tmp), env, setup_s, commit, args.table)
             return
+        if args.repeat:
+            raise SystemExit(repeat_tests(Path(tmp), env, setup_s, commit, args.repeat, args.load))
         test_s, out, rc = timed(["make", "test"], tmp, env)
     log = atomic_write(RESULTS_DIR / f"fresh_clone_{label}.log", lambda tmp: tmp.write_text(out))
     print(out[-1500:])
     print("\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))), f"\n(full log: {log})")
-    counts = pytest_counts(out)
-    row = dict(label=label, commit=commit, machine=f"{cpu_model()} ({cpu_generation()})", setup_s=round(setup_s),
-               test_s=round(test_s), total_s=round(setup_s + test_s),
-               passed=counts.get("passed", 0), failed=counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
-               skipped=counts.get("skipped", 0), exit_code=rc)
-    print(row)
-    path = TABLES_DIR / "bench_fresh_clone.csv"
-    old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=list(row))
-    table = pd.concat([old[old["label"] != label], pd.DataFrame([row])], ignore_index=True)
-    save_table(table.set_index("label"), "bench_fresh_clone", dict(labels=list(table["label"])))
+    print(record_run(label, commit, setup_s, test_s, out, rc))
     raise SystemExit(rc)
 
 

@@ -90,12 +90,17 @@ def import_vllm():
 
 def bf16_linear(weight):
     """(name, fn): the BF16 linear vLLM-CPU runs for `weight` on this CPU, as its dispatch picks it
-    (model_executor/layers/utils.py): oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""
+    (model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`): with AMX tiles, its packed-weight kernel for
+    small weights; else oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""
     import_vllm()
     from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
+    if check_cpu_sgl_kernel(*weight.shape, weight.dtype):
+        packed = torch.ops._C.convert_weight_packed(weight)
+        return "AMX weight_packed_linear", lambda x: ops.weight_packed_linear_cpu(x, packed, weight.shape[0], None)
     try:
         handle = ops.create_onednn_mm(weight.t(), 32)
         return "oneDNN onednn_mm", lambda x: ops.onednn_mm(handle, x, None)

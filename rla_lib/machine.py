@@ -42,8 +42,13 @@ BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "
 # kernels and inductor read ATEN_CPU_CAPABILITY, oneDNN reads ONEDNN_MAX_CPU_ISA, MKL (torch's FP32 GEMM) reads
 # MKL_ENABLE_INSTRUCTIONS (on AMD CPUs it runs its AVX2 code at every level: the same bits and speed either way),
 # and RLA_CPU_ISA makes vLLM load the kernel library it would load on such a CPU (`child_site/sitecustomize.py`).
+# "amx" (Intel Sapphire Rapids and later): vLLM-CPU then multiplies small weights with its packed-weight AMX kernel
+# (`weight_packed_linear`) and runs attention on AMX tiles; capped to avx512_bf16 it takes the AVX512-BF16 paths of an
+# AMD Zen 5 (RLA_CPU_ISA answers torch's AMX check "no"; oneDNN stops at AVX512_CORE_BF16).
 ISA_LEVELS = {
-    "avx512_bf16": dict(requires=("avx512f", "avx512bw", "avx512_bf16"), env={}),
+    "amx": dict(requires=("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), env={}),
+    "avx512_bf16": dict(requires=("avx512f", "avx512bw", "avx512_bf16"),
+                        env=dict(RLA_CPU_ISA="avx512_bf16", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")),
     "avx512": dict(requires=("avx512f", "avx512bw"),
                    env=dict(RLA_CPU_ISA="avx512", ATEN_CPU_CAPABILITY="avx512", ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI",
                             MKL_ENABLE_INSTRUCTIONS="AVX512")),
@@ -123,8 +128,11 @@ def isa_environment(level: str) -> dict[str, str]:
     Compile caches get their own folders per level: inductor's and vLLM's caches do not key on the cap, and
     code compiled for one level and loaded under another returned garbage or crashed.
     """
-    if level not in isa_levels():
-        raise ValueError(f"this CPU cannot run at {level!r}; it supports {', '.join(isa_levels()) or 'none of them'}")
+    levels = isa_levels()
+    if level not in levels:
+        raise ValueError(f"this CPU cannot run at {level!r}; it supports {', '.join(levels) or 'none of them'}")
+    if level == levels[0]:  # this process's own level: nothing to cap (avx512_bf16 is a cap only below AMX)
+        return {}
     env = dict(ISA_LEVELS[level]["env"])
     if env:
         env["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
@@ -162,12 +170,22 @@ def engine_core_environment(slot: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[slot % len(cores)])}
 
 
+def vllm_cpu_attention_kernel() -> str:
+    """Which of vLLM-CPU's attention kernels a BF16 engine started from this process runs (its x86 choice in
+    v1/attention/backends/cpu_attn.py `_get_attn_isa`, for 128-token KV blocks): "amx" (AMX tiles), "avx512" (the
+    AVX-512 vector kernel, its polynomial exp: what `attention="vllm_cpu"` reproduces) or "avx2" (`std::exp`, 8 lanes).
+    A capped process answers as its level (`child_site`)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+
+
 def native_bf16() -> bool:
     """Whether BF16 matmuls run on BF16 instructions here (CUDA, or a CPU level with AVX512-BF16 / AMX)."""
     if torch.cuda.is_available():
         return True
     level = isa_level()
-    return level == "avx512_bf16" or (os.environ.get("RLA_CPU_ISA") is None and "amx_bf16" in cpu_flags())
+    return level in ("amx", "avx512_bf16")
 
 
 def bf16_matmul_mode() -> str:

@@ -19,8 +19,10 @@ from . import dose_response, spread
 from .align import REGIONS
 from .mismatch import config_name
 from .paths import MODELS_DIR, ROOT, atomic_write
-from .readme_speed import block_speed, block_suite_time
-from .report import TABLES_DIR, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci, source
+from .readme_speed import block_speed, block_suite_repeats, block_suite_time
+from .report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci, share_cell,
+                     source)
+from .shapley import share_is_readable
 
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
@@ -78,12 +80,16 @@ def block_shapley() -> str:
     for (model, mode, cs), g in t.groupby(["model", "mode", "cos_sin"], sort=False):
         g = g.set_index("region")
         red = g.iloc[0]
-        cells = [f"{g.loc[reg, 'share']:.0%} [{g.loc[reg, 'share_lo']:.0%}, {g.loc[reg, 'share_hi']:.0%}]" for reg in g.index]
+        readable = {reg: share_is_readable(g.loc[reg, "share_lo"], g.loc[reg, "share_hi"], red["reduction_lo"], red["reduction_hi"])
+                    for reg in g.index}
+        cells = [("" if readable[reg] else "cannot tell: ") +
+                 f"{g.loc[reg, 'share']:.0%} [{g.loc[reg, 'share_lo']:.0%}, {g.loc[reg, 'share_hi']:.0%}]" for reg in g.index]
         meaningful = red["reduction_lo"] > 0
         rows.append([f"{model} vs {mode}", cs, f"{red['reduction']:.3g} [{red['reduction_lo']:.3g}, {red['reduction_hi']:.3g}]"]
                     + (cells if meaningful else ["(no clear reduction)"] * len(cells)))
         if meaningful:
-            where = compare_interval(g.loc["rope", "share_lo"], g.loc["rope", "share_hi"], 0.769, 0.918)
+            where = compare_interval(g.loc["rope", "share_lo"], g.loc["rope", "share_hi"], 0.769, 0.918) \
+                if readable["rope"] else "cannot tell (its CI spans more than the whole range) against"
             notes.append(f"{model} vs {mode} ({cs} cos/sin): RoPE {where} the paper's 77-92%")
     table = md_table(["model, mode", "RoPE cos/sin", "reduction (1e-4)", *[f"{r} share" for r in t["region"].unique()]], rows)
     return "\n\n".join([table, "; ".join(notes) + ".", source("04_shapley", meta)])
@@ -103,9 +109,11 @@ def block_schedule() -> str:
                f"{diff['diff']:+.3g} [{diff['diff_ci_low']:+.3g}, {diff['diff_ci_high']:+.3g}]"]
         if att is not None:
             a = att[(att["model"] == model) & (att["vLLM mode"] == mode)]
-            best = a.loc[a["exact KL"].idxmin()]
-            row.append(f"{best['exact KL']:.3g} ({pct_ci(best['change vs stock'], best['change ci_low'], best['change ci_high'])}), "
-                       f"{best['attention on the training side']}")
+            best, size = a.loc[a["exact KL"].idxmin()], k.loc[(model, mode, "none")]
+            change = change_cell(best["change vs stock"], best["change ci_low"], best["change ci_high"], best["exact KL"],
+                                 int(size["tokens"]), int(size["prompts"]))
+            kl_and_change = change if best["exact KL"] == 0 else f"{best['exact KL']:.3g} ({change})"
+            row.append(f"{kl_and_change}, {best['attention on the training side']}")
         rows.append(row)
     header = ["model vs vLLM mode", "stock", "paper's regions", "engine's schedule", "schedule − paper (1e-4)"]
     header += ["schedule + closest attention variant"] if att is not None else []
@@ -143,7 +151,7 @@ def pivot_md(t, row: str, cols: list[str], cell, row_header: str, col_label) -> 
 
 
 def share_ci(r) -> str:
-    return f"{r['share bitwise equal']:.1%} [{r['ci_low']:.1%}, {r['ci_high']:.1%}]"
+    return share_cell(r["share bitwise equal"], r["ci_low"], r["ci_high"], int(r["tokens"]), int(r["prompts"]))
 
 
 def differing_of(r) -> str:
@@ -180,7 +188,8 @@ def block_real_shape_results() -> str:
     for (model, mode), g in t[t["from"] == "none"].groupby(["model", "mode"], sort=False):
         g = g.set_index("to")
         engine = [c for c in g.index if "attention" in c]
-        cells = [pct_ci(g.loc[c, "relative"], g.loc[c, "rel_ci_low"], g.loc[c, "rel_ci_high"]) if c in g.index else ""
+        cells = [change_cell(g.loc[c, "relative"], g.loc[c, "rel_ci_low"], g.loc[c, "rel_ci_high"], g.loc[c, "b"],
+                             int(g.loc[c, "n_tokens"]), int(g.loc[c, "n_clusters"])) if c in g.index else ""
                  for c in ("paper", f"schedule_{mode}", engine[0] if engine else None)]
         rows.append([f"{Path(model).name} vs vLLM {mode}", f"{g['a'].iloc[0]:.3g}"] + cells + [f"{int(g['n_clusters'].iloc[0])}"])
     parts = [md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned", "prompts"], rows)]
@@ -391,6 +400,7 @@ BLOCKS = {
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),
     "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
+    "suite-repeats": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py --repeat 3 [--load]", block_suite_repeats),
 }
 
 

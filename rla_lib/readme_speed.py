@@ -229,3 +229,19 @@ def speed_verdict(checks, controls=None) -> str:
                          f"{pct(c['cpu_ratio_ci_high'] - 1, 1)}]: its CI excludes zero, so the overhead CIs understate "
                          f"the run's drift.)")
     return " ".join(parts)
+
+
+def block_suite_repeats() -> str:
+    """Repeat runs of the whole suite per condition (plain or beside a CPU hog, at an ISA level) and every test that
+    failed in any of them (`benchmarks/fresh_clone_test.py --repeat N [--load]`)."""
+    t, meta = load_table("bench_suite_repeats")
+    rows = []
+    for condition in dict.fromkeys(c.split(": ")[0] for c in t.columns if c != "test"):
+        ran = t[t[f"{condition}: runs"].notna()]
+        flaky = ran[ran[f"{condition}: failed"] > 0]
+        failures = ", ".join(f"`{test}` ({int(r[f'{condition}: failed'])} of {int(r[f'{condition}: runs'])})"
+                             for test, r in flaky.iterrows()) or "none"
+        rows.append([condition, int(ran[f"{condition}: runs"].max()), len(ran),
+                     int((ran[f"{condition}: passed"] == ran[f"{condition}: runs"]).sum()), failures])
+    header = ["condition", "runs", "tests", "passed in every run", "tests that failed in a run"]
+    return "\n\n".join([md_table(header, rows), source("bench_suite_repeats", meta)])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -21,22 +22,34 @@ from pathlib import Path
 
 import pandas as pd
 
+from .kl import all_equal_bound
 from .machine import describe, machine
 from .paths import ROOT, atomic_write
 
 TABLES_DIR = Path(os.environ.get("RLA_TABLES_DIR", ROOT / "tables"))
 
 
-def git_commit() -> str | None:
-    """The short commit, with "+changes" when the work tree differs from it (the numbers came from uncommitted code)."""
+CODE_PATHS = ("rla_lib", "notebooks", "benchmarks", "experiments")  # the code a table's numbers can depend on
+
+
+def git_commit(directory: Path | None = None) -> str | None:
+    """The short commit, with "+changes-<hash>" when the work tree's code differs from it: the numbers came from
+    uncommitted code, whose diff is kept as <directory>/diffs/<hash>.patch (default tables/) so it can be recovered."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "rla_lib", "notebooks",
-                                "benchmarks", "experiments"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        diff = subprocess.run(["git", "diff", "HEAD", "--", *CODE_PATHS], cwd=ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     commit = head.stdout.strip()
-    return (commit + ("+changes" if dirty.stdout.strip() else "")) or None
+    if not commit:
+        return None
+    if not diff.stdout.strip():
+        return commit
+    digest = hashlib.sha256(diff.stdout.encode()).hexdigest()[:12]
+    patch = Path(directory or TABLES_DIR) / "diffs" / f"{digest}.patch"
+    if not patch.exists():
+        atomic_write(patch, lambda tmp: tmp.write_text(diff.stdout))
+    return f"{commit}+changes-{digest}"
 
 
 def save_table(df: pd.DataFrame, name: str, params: dict | None = None, directory: Path | str | None = None,
@@ -47,7 +60,7 @@ def save_table(df: pd.DataFrame, name: str, params: dict | None = None, director
     keep_index = any(n is not None for n in df.index.names)
     path = atomic_write(directory / f"{name}.csv", lambda tmp: df.to_csv(tmp, index=keep_index, float_format="%.6g"))
     meta = dict(table=f"{name}.csv", written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=commit or git_commit(), machine=machine(), params=params or {})
+                commit=commit or git_commit(directory), machine=machine(), params=params or {})
     atomic_write(directory / f"{name}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=str) + "\n"))
     return path
 
@@ -127,6 +140,24 @@ def pct_ci(value: float, low: float, high: float) -> str:
     """Whole percents, or two decimals where the interval reaches within 2% of -100% (whole ones would all say -100%)."""
     digits = 2 if min(value, low, high) < -0.98 else 0
     return f"{pct(value, digits)} [{pct(low, digits)}, {pct(high, digits)}]"
+
+
+def share_cell(share: float, low: float, high: float, tokens: int, prompts: int) -> str:
+    """A share of tokens with its prompt-level CI; where every token (or none) has the property, the count and the exact
+    one-sided bound on the prompt share instead of a zero-width interval (`kl.all_equal_bound`)."""
+    if share in (0, 1) and low == high == share:
+        bound = all_equal_bound(prompts)
+        return (f"all {tokens:,} tokens of {prompts} prompts (prompt share >= {bound:.1%}, exact 95% bound)" if share == 1 else
+                f"none of {tokens:,} tokens of {prompts} prompts (prompt share <= {1 - bound:.1%}, exact 95% bound)")
+    return f"{share:.1%} [{low:.1%}, {high:.1%}]"
+
+
+def change_cell(relative: float, low: float, high: float, kl_after: float, tokens: int, prompts: int) -> str:
+    """A relative change of the exact KL with its CI, or, where the KL after is exactly 0, that fact and its exact bound
+    (-100% with a zero-width interval says no more and looks like an estimate)."""
+    if kl_after == 0:
+        return f"KL 0 on all {tokens:,} tokens of {prompts} prompts (prompt share >= {all_equal_bound(prompts):.1%}, exact 95% bound)"
+    return pct_ci(relative, low, high)
 
 
 def source(name: str, meta: dict) -> str:

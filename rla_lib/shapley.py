@@ -51,6 +51,12 @@ def shares(phi: dict) -> dict:
     return {p: v / total if total else float("nan") for p, v in phi.items()}
 
 
+def share_is_readable(share_lo: float, share_hi: float, reduction_lo: float, reduction_hi: float) -> bool:
+    """Whether a share of a reduction says anything: the reduction's CI excludes zero (a ratio whose denominator may be
+    0 has no bounded CI) and the share's CI is no wider than the whole 0-100% range. Otherwise: "cannot tell"."""
+    return bool((reduction_lo > 0 or reduction_hi < 0) and share_hi - share_lo <= 1)
+
+
 def bootstrap_shapley(players, per_sequence: dict, n_boot: int = 1000, seed: int = 0, reduction: bool = True, clusters=None):
     """Shapley values on `n_boot` resamples of prompts (clusters), all coalitions on the same resample.
 

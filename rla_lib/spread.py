@@ -82,7 +82,8 @@ def kernel_probe() -> dict:
         training_out = layer(x)
     return dict(inductor_vec_isa=str(cpu_vec_isa.pick_vec_isa()) or "none",
                 torch_capability=torch.backends.cpu.get_cpu_capability(), vllm_library=library,
-                vllm_bf16_linear=engine_linear, training_bf16_matmul=machine.bf16_matmul_mode(),
+                vllm_bf16_linear=engine_linear, vllm_attention=machine.vllm_cpu_attention_kernel(),
+                training_bf16_matmul=machine.bf16_matmul_mode(),
                 linear_outputs_equal=(engine_out == training_out).float().mean().item())
 
 

@@ -60,6 +60,42 @@ def test_lab_listens_on_localhost_with_the_rla_kernel():
     assert lab.kernel_installed(), "the rla kernel is missing: run make setup"
 
 
+SLOW_KERNEL_S = 6  # a kernel start delayed well past jupyter_client's 1 s heartbeat allowance
+
+
+def test_a_kernel_without_a_heartbeat_yet_is_waited_for(tmp_path):
+    """A kernel that takes longer to start than the heartbeat allows (as under load) is waited for, not declared dead:
+    `wait_for_ready` gives up on it, `wait_for_kernel_info` gets its answer."""
+    import subprocess
+    import sys
+
+    from jupyter_client import BlockingKernelClient
+    from jupyter_client.connect import write_connection_file
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    delayed = ("import sys, time; time.sleep(float(sys.argv.pop(1))); "
+               "from ipykernel import kernelapp; kernelapp.launch_new_instance()")
+    kernel = subprocess.Popen([sys.executable, "-c", delayed, str(SLOW_KERNEL_S), "-f", connection_file],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for waits in ("jupyter_client", "ours"):
+            client = BlockingKernelClient(connection_file=connection_file)  # not a manager's: as in the browser test
+            client.load_connection_file()
+            client.start_channels(hb=waits == "jupyter_client")
+            try:
+                if waits == "jupyter_client":
+                    with pytest.raises(RuntimeError, match="died"):
+                        client.wait_for_ready(timeout=60)
+                else:
+                    wait_for_kernel_info(client, lambda: "starting" if kernel.poll() is None else "dead",
+                                         poll_s=1, timeout_s=120)
+            finally:
+                client.stop_channels()
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 # ---- the browser ---------------------------------------------------------------------------------
 @pytest.fixture
 def chromium():
@@ -96,7 +132,7 @@ def lab_server(tmp_path):
     # INFO: kernel starts, restarts and shutdowns go into lab.log, for the report of a failing run
     proc = lab.start(root, port, token, extra, env=env, log_level="INFO", stdout=log, stderr=log)
     try:
-        lab.wait_until_ready(proc, port, token)
+        lab.wait_until_ready(proc, port, token, timeout=KERNEL_START_TIMEOUT_S)  # it fails at once if the server exits
         yield port, token, Path(runtime)
     finally:
         lab.stop(proc)
@@ -123,14 +159,40 @@ def start_kernel_session(port, token, path, runtime_dir):
 
     session = lab_api(port, token, "api/sessions", {"path": path, "name": path, "type": "notebook",
                                                     "kernel": {"name": lab.KERNEL}})
-    client = BlockingKernelClient(connection_file=str(runtime_dir / f"kernel-{session['kernel']['id']}.json"))
+    kernel_id = session["kernel"]["id"]
+    client = BlockingKernelClient(connection_file=str(runtime_dir / f"kernel-{kernel_id}.json"))
     client.load_connection_file()
-    client.start_channels()
+    client.start_channels(hb=False)  # see wait_for_kernel_info: no heartbeat
     try:
-        client.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S)
+        wait_for_kernel_info(client, lambda: server_kernel_state(port, token, kernel_id))
     finally:
         client.stop_channels()
-    return session["kernel"]["id"]
+    return kernel_id
+
+
+def server_kernel_state(port, token, kernel_id) -> str:
+    """The kernel's execution_state as the server lists it ('gone' if it is not listed)."""
+    return {k["id"]: k["execution_state"] for k in lab_api(port, token, "api/kernels")}.get(kernel_id, "gone")
+
+
+def wait_for_kernel_info(client, kernel_state, poll_s=5.0, timeout_s=KERNEL_START_TIMEOUT_S):
+    """Until the kernel answers a kernel_info request. It counts as dead only when `kernel_state()` (the server's word,
+    which JupyterLab goes by) says so. Not jupyter_client's `wait_for_ready`: it gives up as soon as the heartbeat misses
+    a beat, and a kernel still importing on a loaded 2-core machine has none yet ("Kernel died before replying to
+    kernel_info" while the server listed it 'starting': an AVX2-only machine with the other test worker running engines)."""
+    from queue import Empty
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client.kernel_info()  # unanswered requests queue up in the kernel; any reply shows it answers
+        try:
+            while client.get_shell_msg(timeout=poll_s)["msg_type"] != "kernel_info_reply":
+                pass
+            return
+        except Empty:
+            if (state := kernel_state()) in ("dead", "gone"):
+                raise RuntimeError(f"the kernel is {state} and never answered kernel_info") from None
+    raise TimeoutError(f"the kernel did not answer kernel_info within {timeout_s} s")
 
 
 def run_all(page, kernel_id, attempts=5):

@@ -14,6 +14,7 @@ from rla_lib import graphs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU_CODE = FIXTURES / "inductor_cpu_vllm_qwen3.py"
+AMX_CODE = FIXTURES / "inductor_cpu_amx_vllm_qwen3.py"  # the same engine on an Intel Xeon with AMX (family 6 model 207)
 TRITON_CODE = FIXTURES / "inductor_triton_qwen2_1layer.py"
 EAGER_TRACE = FIXTURES / "vllm_eager_qwen3_trace.json"
 
@@ -43,6 +44,21 @@ def test_cpu_code_fixture_points_and_kernels():
     assert len(silu) == 4 and all("swiglu.silu" in s for s in silu["kept FP32 inside"])
     assert all(s.endswith("swiglu.output") for s in silu["BF16 stores (roundings)"])
     assert set(rope["regions"]) == {"Q/K norm + RoPE"}
+
+
+def test_amx_code_reads_as_the_same_schedule():
+    """On a CPU with AMX tiles vLLM-CPU multiplies small weights with its packed-weight kernel (`weight_packed_linear`,
+    out-variant: out, x, packed weight, bias) instead of oneDNN's: the reader sees the same decoder and rounding points."""
+    g = graphs.parse_output_code(AMX_CODE)
+    assert "weight_packed_linear" in AMX_CODE.read_text() and "onednn_mm" not in AMX_CODE.read_text()
+    p = graphs.read_points(g)
+    assert (p.n_layers, p.meta["n_attention"], p.meta["has_qk_norm"], p.meta["missing"]) == (4, 4, True, [])
+    summary = p.summary()
+    assert {k: summary[k] for k in COMPILED_CPU} == COMPILED_CPU
+    amx, onednn = (graphs.schedule(graphs.read_points(graphs.parse_output_code(c))) for c in (AMX_CODE, CPU_CODE))
+    rounded = lambda s: {k: (v["value"], v["per_layer"]) for k, v in s["points"].items()}  # kernel names differ
+    assert rounded(amx) == rounded(onednn)
+    assert graphs.schedule_to_align_kwargs(amx) == graphs.schedule_to_align_kwargs(onednn)
 
 
 def test_triton_code_fixture():

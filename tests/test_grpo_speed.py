@@ -13,9 +13,17 @@ import pandas as pd
 import pytest
 import torch
 
-from rla_lib import grpo, task
+from rla_lib import grpo, machine, task
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.scoring import pad_batch
+
+
+def row_invariant_unless_amx_gemm(holds: bool, what: str) -> None:
+    """An expected failure, not a pass, where the training side multiplies with torch's BF16 GEMM on AMX tiles: oneDNN's
+    AMX kernel splits K by the row count, so a row's bits change with the batch (e.g. K=768: rows 33-52 of a 504-row
+    product; Intel Xeon family 6 model 207). The FP32-products GEMM (RLA_BF16_MATMUL=fp32) holds everywhere."""
+    if machine.isa_level() == "amx" and machine.bf16_matmul_mode() == "native" and not holds:
+        pytest.xfail(f"{what}: not with torch's BF16 GEMM on AMX, whose rows depend on the batch")
 
 
 def some_sequences(n: int, seed: int = 0) -> list[list[int]]:
@@ -26,8 +34,10 @@ def some_sequences(n: int, seed: int = 0) -> list[list[int]]:
     return [p + [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))] for p in prompts]
 
 
-@pytest.mark.parametrize("configuration", ["default BF16", "all three", "FP32 control"])
-def test_row_logprobs_ignore_other_rows_and_padding(configuration):
+@pytest.mark.parametrize("configuration, matmul", [("default BF16", "auto"), ("all three", "auto"), ("FP32 control", "auto"),
+                                                   ("default BF16", "fp32")])
+def test_row_logprobs_ignore_other_rows_and_padding(configuration, matmul, monkeypatch):
+    monkeypatch.setenv("RLA_BF16_MATMUL", matmul)
     policy = grpo.Policy(grpo.GRPOConfig(**grpo.CONFIGURATIONS[configuration]))
     ids, attn = pad_batch(some_sequences(24))
     real = attn[:, 1:] > 0
@@ -40,9 +50,13 @@ def test_row_logprobs_ignore_other_rows_and_padding(configuration):
     with torch.no_grad():
         cut_lp, cut_entropy = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
     keep = real[rows, : width - 1]
+    row_invariant_unless_amx_gemm(torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep]) and
+                                  torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep]), "a row alone")
     assert torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep])
     assert torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep])
     grad_lp, grad_entropy = policy.logprobs(ids[rows], attn[rows], grad=True)  # the update's forward
+    row_invariant_unless_amx_gemm(torch.equal(grad_lp.detach()[real[rows]], full_lp[rows][real[rows]]) and
+                                  torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]]), "the update's forward")
     assert torch.equal(grad_lp.detach()[real[rows]], full_lp[rows][real[rows]])
     assert torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]])
 
@@ -103,9 +117,10 @@ def test_fast_step_equals_reference_bitwise(compiled_engine, tmp_path, monkeypat
             reference = grpo.run(cfg, tmp_path / "reference", engine=compiled_engine, progress=False)
     finally:
         compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
-    pd.testing.assert_frame_equal(fast[reference.columns].drop(columns=["t_rollout", "t_score", "t_update", "t_sync"], errors="ignore"),
-                                  reference.drop(columns=["t_rollout", "t_score", "t_update", "t_sync"], errors="ignore"),
-                                  check_exact=True)
+    timings = ["t_rollout", "t_score", "t_update", "t_sync"]
+    fast_rows, reference_rows = (f.drop(columns=timings, errors="ignore") for f in (fast[reference.columns], reference))
+    row_invariant_unless_amx_gemm(fast_rows.equals(reference_rows), "the fast step's history")
+    pd.testing.assert_frame_equal(fast_rows, reference_rows, check_exact=True)
     assert fast["grad_norm"].iloc[1:].gt(0).any()  # some update did something (a group all alike teaches nothing)
     a = torch.load(tmp_path / "fast" / "checkpoint.pt", weights_only=False)
     b = torch.load(tmp_path / "reference" / "checkpoint.pt", weights_only=False)

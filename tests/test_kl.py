@@ -235,3 +235,25 @@ def test_summary_exact_kl_per_sequence_sums_each_response():
     per_response = [exact_terms(p, q).sum() for p, q in zip(inf_full, train_full)]
     assert s["exact_kl_per_sequence"] == pytest.approx(np.mean(per_response), rel=1e-12)
     assert s["exact_kl"] == pytest.approx(np.sum(per_response) / sum(lengths), rel=1e-12)
+
+
+def test_all_equal_bound_is_the_exact_one_sided_bound():
+    """n of n prompts all bitwise: the bound is the prompt share at which seeing n of n has probability 1 - level."""
+    for n in (8, 32, 512):
+        bound = kl.all_equal_bound(n)
+        assert bound**n == pytest.approx(0.05)
+        assert (bound - 1e-3) ** n < 0.05 < (bound + 1e-3) ** n  # any lower share would make n of n rarer than 5%
+    assert kl.all_equal_bound(512) == pytest.approx(0.99417, abs=1e-5)
+    assert kl.all_equal_bound(8) == pytest.approx(0.6877, abs=1e-4)
+    with pytest.raises(ValueError):
+        kl.all_equal_bound(0)
+
+
+def test_all_or_none_is_rendered_as_a_count_and_an_exact_bound_not_a_zero_width_interval():
+    from rla_lib.report import change_cell, share_cell
+
+    assert share_cell(1.0, 1.0, 1.0, 6648, 512) == "all 6,648 tokens of 512 prompts (prompt share >= 99.4%, exact 95% bound)"
+    assert share_cell(0.0, 0.0, 0.0, 256, 8).startswith("none of 256 tokens of 8 prompts (prompt share <= 31.2%")
+    assert share_cell(0.3, 0.29, 0.31, 6648, 512) == "30.0% [29.0%, 31.0%]"
+    assert change_cell(-1.0, -1.0, -1.0, 0.0, 256, 8).startswith("KL 0 on all 256 tokens of 8 prompts")
+    assert change_cell(-0.2, -0.33, -0.06, 24.0, 256, 8) == "-20% [-33%, -6%]"

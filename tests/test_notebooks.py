@@ -82,6 +82,9 @@ def test_notebook_executes_at_real_shape(name, tmp_path, monkeypatch, shared_res
     execute(ROOT / "notebooks" / f"{name}.ipynb", REAL_SHAPE[name], tmp_path, monkeypatch, shared_results, executed, tables)
 
 
+KERNEL_START_TIMEOUT_S = 600  # a hang guard: papermill's 60 s is reached by a kernel start beside another test's engine
+
+
 def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results, executed_dir=None, tables_dir=None):
     """Run one notebook under papermill as `make run-all` does; check its figures, tables and quiet cells."""
     # the kernel inherits these: quick-run figures, results and tables stay out of the repository
@@ -94,6 +97,7 @@ def execute(nb_path, parameters, tmp_path, monkeypatch, shared_results, executed
     papermill.execute_notebook(
         str(nb_path), str(executed), parameters=parameters,
         kernel_name="rla", cwd=str(nb_path.parent), progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
     )
     assert list((tmp_path / "figures").glob("*.png")), f"{nb_path.name} saved no figure"
     stderr = [line for line in stderr_lines(executed) if line.strip()]

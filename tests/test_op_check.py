@@ -2,9 +2,8 @@
 gives the engine's output bit for bit; vLLM's attention kernel is reproduced by the "vllm_cpu" numerics."""
 
 import pytest
-import torch
 
-from rla_lib import op_check
+from rla_lib import machine, op_check
 from rla_lib.engine_align import with_attention
 from rla_lib.graphs import Graph, align_to_schedule, read_points
 from rla_lib.graphs import schedule as graphs_schedule
@@ -12,7 +11,9 @@ from rla_lib.models import load_model
 from test_graphs_inductor import EAGER_TRACE
 
 pytestmark = pytest.mark.engine
-AVX512 = torch.cpu._is_avx512_supported()  # vLLM's attention then uses its AVX-512 polynomial exp (what vllm_cpu is)
+# vLLM's attention kernel here: "avx512" (its polynomial exp) is what the vllm_cpu numerics reproduce; the AVX2 kernel
+# (std::exp) and the AMX kernel (AMX tiles) are not reproduced yet, so there the check covers every other op
+ATTENTION_REPRODUCED = machine.vllm_cpu_attention_kernel() == "avx512"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def test_captures_hold_every_point(captures):
     assert all(set(points) == names | {"final_norm"} for points in captures["points"])
 
 
-@pytest.mark.skipif(not AVX512, reason="vLLM's CPU attention uses std::exp without AVX-512: another kernel")
+@pytest.mark.skipif(not ATTENTION_REPRODUCED, reason=f"vLLM runs its {machine.vllm_cpu_attention_kernel()} attention "
+                    "kernel here, which attention='vllm_cpu' (its AVX-512 kernel) does not reproduce")
 def test_vllm_cpu_attention_is_the_engines_bit_for_bit(captures):
     table = op_check.attention_kernels(captures, load_model("qwen3-tiny").config).set_index("numerics")
     assert table.loc["vllm_cpu", "differing"] == 0 and table.loc["vllm_cpu", "elements"] > 10_000
@@ -40,14 +42,14 @@ def test_engine_aligned_side_equals_eager_vllm_at_every_op(captures):
     assert stock["input_norm"] > 0 and stock["post_norm"] > 0 and stock["attention"] > 0  # stock rounds elsewhere
     # the schedule read from eager vLLM's real aten trace of this model (committed; a live capture reads the same)
     points = read_points(Graph.load(EAGER_TRACE))
-    schedule = with_attention(graphs_schedule(points, "vllm:eager"), "vllm_cpu" if AVX512 else "flash")
+    schedule = with_attention(graphs_schedule(points, "vllm:eager"), "vllm_cpu" if ATTENTION_REPRODUCED else "flash")
     handle = align_to_schedule(model, schedule)
     try:
         aligned = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
     finally:
         handle.undo()
     assert set(aligned.index) == set(op_check.LAYER_POINTS) | {"final_norm", "token_logprobs"}
-    if not AVX512:
+    if not ATTENTION_REPRODUCED:
         aligned = aligned.drop("attention")
     assert (aligned == 0).all(), aligned[aligned > 0]
 

@@ -106,3 +106,30 @@ def test_suite_time_spread_counts_the_latest_passing_runs_on_the_newest_runs_mac
     # the other machine's run and the failing one are left out: 9.0, 10.0 and 14.5 min remain
     assert readme_speed._spread(runs, 12) == "; its last 3 passing runs there: 9.0-14.5 min, 2 of 3 within 12 min"
     assert readme_speed._spread(runs.tail(1), 12) == ""  # one run has no spread
+
+
+def test_a_table_from_uncommitted_code_keeps_that_code_recoverable(tmp_path, monkeypatch):
+    """A table written from a work tree with code changes names the commit, "+changes-<hash>", and the diff's patch:
+    the commit plus the patch gives back the code that made the numbers."""
+    import subprocess
+
+    from rla_lib import report
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    (tmp_path / "rla_lib").mkdir()
+    (tmp_path / "rla_lib" / "m.py").write_text("X = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "code")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
+    head = git("rev-parse", "--short", "HEAD").strip()
+    assert report.git_commit() == head
+    (tmp_path / "rla_lib" / "m.py").write_text("X = 2\n")
+    commit = report.git_commit()
+    assert commit.startswith(f"{head}+changes-")
+    patch = tmp_path / "tables" / "diffs" / f"{commit.split('+changes-')[1]}.patch"
+    git("stash", "-q")
+    git("apply", str(patch))
+    assert (tmp_path / "rla_lib" / "m.py").read_text() == "X = 2\n"

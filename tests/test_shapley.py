@@ -101,3 +101,12 @@ def test_attribute_passes_clusters_and_reports_the_reduction_ci():
     boots = bootstrap_shapley("ab", per_seq, n_boot=300, clusters=prompts)
     assert (lo, hi) == pytest.approx(tuple(np.quantile(boots.sum(1), [0.025, 0.975])))
     assert table.loc["a", "share_lo"] <= 0.75 <= table.loc["a", "share_hi"]
+
+
+def test_a_share_says_cannot_tell_where_the_reduction_may_be_zero_or_its_ci_spans_the_whole_range():
+    from rla_lib.shapley import share_is_readable
+
+    assert share_is_readable(0.69, 1.01, 0.23, 0.50)        # qwen3-tiny vs compiled: RoPE 83% [69%, 101%]
+    assert not share_is_readable(-0.74, 0.92, 0.05, 1.00)   # qwen2-tiny vs compiled (fp32): [-74%, 92%] spans 166 points
+    assert not share_is_readable(0.2, 0.4, -0.01, 0.3)      # the reduction's CI includes 0: no bounded ratio
+    assert share_is_readable(0.2, 0.4, -0.3, -0.1)          # a clearly negative reduction (the gap grows) has shares too

@@ -56,13 +56,14 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 # Patched once torch.cpu is imported, not here: importing torch at start-up would cost every capped process
 # (a notebook, a reader of copied output code) torch's import whether it uses torch or not.
 def _answer_as_level(module, level=os.environ.get("RLA_CPU_ISA")):
-    module._is_avx512_bf16_supported = lambda: False
     module._is_amx_tile_supported = lambda: False
+    if level in ("avx512", "avx2"):
+        module._is_avx512_bf16_supported = lambda: False
     if level == "avx2":
         module._is_avx512_supported = lambda: False
 
 
-if os.environ.get("RLA_CPU_ISA") in ("avx512", "avx2"):
+if os.environ.get("RLA_CPU_ISA") in ("avx512_bf16", "avx512", "avx2"):
     sys.meta_path.insert(0, _PatchAfterImport("torch.cpu", _answer_as_level))
 
 # vLLM's worker keeps spinning on its message queue for `busy_loop_s` (1 s) after every message, a full core

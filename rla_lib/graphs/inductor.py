@@ -17,7 +17,7 @@ from .inductor_kernels import Kernel, classify_cpp, parse_cpp_kernel, parse_trit
 # extern calls: (match on the callee text, op, index of the output argument or "return"/"out", indices of inputs)
 _EXTERNS = [
     ("onednn_mm", "mm", 0, [1, 2]),
-    ("weight_packed_linear", "mm", "return", [0, 1, 3]),
+    ("weight_packed_linear", "mm", 0, [1, 2, 3]),  # vLLM-CPU's AMX linear (small weights): out, x, packed weight, bias
     ("extern_kernels.mm", "mm", "out", [0, 1]),
     ("extern_kernels.bmm", "mm", "out", [0, 1]),
     ("extern_kernels.addmm", "mm", "out", [0, 1, 2]),
