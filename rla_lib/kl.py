@@ -22,7 +22,9 @@ take `clusters`, one prompt index per sequence: standard errors are cluster-robu
 counts totalled per prompt first), bootstraps resample whole prompts with all their responses, and a
 change between two configurations scored on the same tokens is a *paired* difference with its own
 interval (`paired_difference`), never two marginal intervals compared by eye. `clusters=None` makes
-each sequence its own cluster: right only with one response per prompt.
+each sequence its own cluster: right only with one response per prompt. Intervals are studentized
+(bootstrap-t, `ratio_ci`): with few prompts the percentile bootstrap covered well short of 95%; where every
+prompt shows a property (all tokens bitwise) `all_equal_bound` gives the exact bound instead.
 """
 
 from __future__ import annotations
@@ -119,8 +121,8 @@ class Estimate:
 class Difference:
     """The change from configuration a to configuration b, both scored on the same tokens, in `unit`.
 
-    diff = b - a with a cluster-robust SE and a paired percentile bootstrap CI (the same prompts are
-    drawn for a and b); relative = b / a - 1 (a fraction) with its CI from the same bootstrap.
+    diff = b - a with a cluster-robust SE and a paired bootstrap CI (`ratio_ci`; the same prompts are
+    drawn for a and b); relative = b / a - 1 (a fraction) with its CI from the same resamples.
     """
 
     a: float
@@ -200,6 +202,45 @@ def bootstrap_indices(n_clusters: int, n_boot: int = 2000, seed: int = 0) -> np.
     return np.random.default_rng(seed).integers(0, n_clusters, size=(n_boot, n_clusters))
 
 
+CI_METHODS = ("studentized", "percentile")
+FEW_PROMPTS = 30  # below this many prompts an interval is marked as such: its coverage is short of nominal
+
+
+def _ratio_means_ses(sums, counts):
+    """`ratio_mean_se` of each row of (n_boot, m) resampled cluster totals, vectorised."""
+    m = sums.shape[-1]
+    means = sums.sum(-1) / counts.sum(-1)
+    resid = (sums - means[..., None] * counts) / counts.mean(-1, keepdims=True)
+    return means, np.sqrt((resid**2).sum(-1) / (m * (m - 1)))
+
+
+def ratio_ci(sums, counts, n_boot: int = 2000, seed: int = 0, level: float = 0.95, method: str = "studentized"):
+    """A cluster-bootstrap CI of the ratio Σsums / Σcounts over clusters (per-cluster totals in).
+
+    "studentized" (bootstrap-t): each resample's ratio standardised by its own cluster-robust SE, the quantiles of that
+    t applied to the sample's SE. It corrects the skew a few prompts bring: at 8, 16 and 32 prompts with lognormal
+    prompt effects it covered 92-93% where the percentile interval covered 85-90% (nominal 95%; tests/test_kl.py).
+    "percentile": the quantiles of the resampled ratios. Both resample whole clusters with `bootstrap_indices`, so
+    paired statistics drawn with the same seed use the same prompts. Clusters all giving one ratio give a zero-width
+    interval: there is nothing to resample (see `all_equal_bound` for the all-equal case)."""
+    if method not in CI_METHODS:
+        raise ValueError(f"unknown CI method {method!r}; choose from {CI_METHODS}")
+    sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
+    mean, se = ratio_mean_se(sums, counts)
+    idx = bootstrap_indices(len(sums), n_boot, seed)
+    q = [(1 - level) / 2, (1 + level) / 2]
+    if method == "percentile" or len(sums) < 2:
+        return tuple(np.quantile(sums[idx].sum(1) / counts[idx].sum(1), q))
+    if not se > 0:
+        return mean, mean
+    boot_means, boot_ses = _ratio_means_ses(sums[idx], counts[idx])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (boot_means - mean) / boot_ses
+    t = t[np.isfinite(t)]  # a resample of one repeated cluster has no SE
+    t_lo, t_hi = np.quantile(t, q)
+    return mean - t_hi * se, mean - t_lo * se
+
+
 def bootstrap_means(sums, counts, n_boot: int = 2000, seed: int = 0):
     """Token-weighted means of `n_boot` resamples of whole clusters (pass per-cluster totals)."""
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
@@ -208,8 +249,8 @@ def bootstrap_means(sums, counts, n_boot: int = 2000, seed: int = 0):
 
 
 def estimate(per_sequence_terms, clusters=None, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-             unit: float = UNIT) -> Estimate:
-    """Token-weighted mean of per-sequence terms, with a cluster-robust SE and a cluster bootstrap CI.
+             unit: float = UNIT, method: str = "studentized") -> Estimate:
+    """Token-weighted mean of per-sequence terms, with a cluster-robust SE and a cluster bootstrap CI (`ratio_ci`).
 
     clusters: one prompt index per sequence; the responses of a prompt are totalled, and resampled,
     together. None makes every sequence its own cluster, which is right only with one response per
@@ -221,13 +262,12 @@ def estimate(per_sequence_terms, clusters=None, n_boot: int = 2000, seed: int = 
         raise ValueError("no tokens to estimate from")
     cluster_sums, cluster_counts = cluster_totals(clusters, sums, counts)
     mean, se = ratio_mean_se(cluster_sums, cluster_counts)
-    boots = bootstrap_means(cluster_sums, cluster_counts, n_boot, seed)
-    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    lo, hi = ratio_ci(cluster_sums, cluster_counts, n_boot, seed, level, method)
     return Estimate(mean / unit, se / unit, lo / unit, hi / unit, int(counts.sum()), len(sums), len(cluster_sums), unit)
 
 
 def paired_difference(a_sums, b_sums, counts, clusters=None, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                      unit: float = UNIT) -> Difference:
+                      unit: float = UNIT, method: str = "studentized") -> Difference:
     """The change from configuration a to b measured on the same tokens ("stock vs aligned").
 
     a_sums, b_sums: per-sequence sums of one estimator's terms for a and for b; counts: the shared
@@ -243,14 +283,11 @@ def paired_difference(a_sums, b_sums, counts, clusters=None, n_boot: int = 2000,
     ca, cb, cc = cluster_totals(clusters, a_sums, b_sums, counts)
     a, b = ca.sum() / cc.sum(), cb.sum() / cc.sum()
     diff, diff_se = ratio_mean_se(cb - ca, cc)
-    idx = bootstrap_indices(len(cc), n_boot, seed)
-    n = cc[idx].sum(1)
-    boot_a, boot_b = ca[idx].sum(1) / n, cb[idx].sum(1) / n
-    q = [(1 - level) / 2, (1 + level) / 2]
-    d_lo, d_hi = np.quantile(boot_b - boot_a, q)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel_boots = np.where(boot_a != 0, boot_b / boot_a - 1, np.nan)
-    r_lo, r_hi = np.nanquantile(rel_boots, q) if np.isfinite(rel_boots).any() else (np.nan, np.nan)
+    d_lo, d_hi = ratio_ci(cb - ca, cc, n_boot, seed, level, method)
+    # b / a = Σcb / Σca is itself a ratio over clusters: the same interval, shifted by 1 (a positive-KL baseline)
+    positive = bool((ca >= 0).all() and ca.sum() > 0)
+    r_lo, r_hi = (np.subtract(ratio_ci(cb, ca, n_boot, seed, level, method if positive else "percentile"), 1)
+                  if a != 0 and positive else _percentile_relative(ca, cb, cc, n_boot, seed, level))
     relative = b / a - 1 if a != 0 else np.nan
     return Difference(a / unit, b / unit, diff / unit, diff_se / unit, d_lo / unit, d_hi / unit, float(relative),
                       float(r_lo), float(r_hi), int(counts.sum()), len(cc), unit, level)
@@ -263,6 +300,17 @@ def all_equal_bound(n_clusters: int, level: float = 0.95) -> float:
     if n_clusters < 1:
         raise ValueError("no prompts to bound")
     return (1 - level) ** (1 / n_clusters)
+
+
+def _percentile_relative(ca, cb, cc, n_boot, seed, level):
+    """The percentile interval of b / a - 1 where a cluster's baseline is not positive (e.g. the sampled estimator)."""
+    idx = bootstrap_indices(len(cc), n_boot, seed)
+    n = cc[idx].sum(1)
+    boot_a, boot_b = ca[idx].sum(1) / n, cb[idx].sum(1) / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel_boots = np.where(boot_a != 0, boot_b / boot_a - 1, np.nan)
+    q = [(1 - level) / 2, (1 + level) / 2]
+    return tuple(np.nanquantile(rel_boots, q)) if np.isfinite(rel_boots).any() else (np.nan, np.nan)
 
 
 def tokens_to_separate(terms_a, terms_b, clusters=None, z: float = 2.0) -> float:

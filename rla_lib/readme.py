@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import dose_response, spread
 from .align import REGIONS
+from .kl import FEW_PROMPTS
 from .mismatch import config_name
 from .paths import MODELS_DIR, ROOT, atomic_write
 from .readme_speed import block_speed, block_suite_repeats, block_suite_time
@@ -193,6 +194,10 @@ def block_real_shape_results() -> str:
                  for c in ("paper", f"schedule_{mode}", engine[0] if engine else None)]
         rows.append([f"{Path(model).name} vs vLLM {mode}", f"{g['a'].iloc[0]:.3g}"] + cells + [f"{int(g['n_clusters'].iloc[0])}"])
     parts = [md_table(["model", "stock exact KL (1e-4)", "paper's regions", "read schedule", "engine-aligned", "prompts"], rows)]
+    fewest = int(t["n_clusters"].min())
+    if fewest < FEW_PROMPTS:
+        parts.append(f"_Intervals from {fewest} prompts, fewer than {FEW_PROMPTS}: a bootstrap over so few covers short of "
+                     "95% (tests/test_kl.py measures it at 8, 16 and 32); read them as rough._")
     b, _ = load_table("02_bitwise_tokens", TABLES_DIR / "real-shape")
     parts += ["Response tokens whose training-side logprob is bit for bit the engine's:",
               pivot_md(b, "training side", ["model", "vLLM mode"], share_ci, "training side",
