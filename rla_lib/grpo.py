@@ -112,6 +112,10 @@ class GRPOConfig:
         return "bfloat16" if self.precision == "bf16" else "float32"
 
 
+# Memory a GRPO run needs: FP32 master weights 4 + AdamW state 8 + FP32 gradients 4 + BF16 copy and its gradients 4
+# + the engine's copy 2
+BYTES_PER_PARAMETER = 22
+
 # The configurations compared in notebook 06 and the settings search, by name.
 CONFIGURATIONS = {
     "default BF16": dict(),
@@ -297,8 +301,7 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
     Pass an open `Engine` (in the run's precision) to reuse it across runs: its weights are reset
     to the run's starting weights first.
     """
-    # FP32 master weights 4 + AdamW state 8 + FP32 gradients 4 + BF16 copy and its gradients 4 + the engine's copy 2
-    check_memory(resolve_model(cfg.model), 22, f"GRPO on {cfg.model}",
+    check_memory(resolve_model(cfg.model), BYTES_PER_PARAMETER, f"GRPO on {cfg.model}",
                  "Pass a smaller checkpoint as `model` (e.g. a narrower `rla_lib.real_shape` one) or use a larger machine.")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from . import dose_response, spread
 from .align import REGIONS
 from .kl import FEW_PROMPTS
 from .mismatch import config_name
+from .paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
 from .paths import MODELS_DIR, ROOT, atomic_write
 from .readme_speed import block_speed, block_suite_repeats, block_suite_time
 from .report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci, share_cell,
@@ -68,11 +69,11 @@ def block_table1() -> str:
             f"{p.get('n_samples')} responses, up to {p.get('max_tokens')} tokens); changes are paired differences on the same tokens.")
     table = md_table(["model, engine mode", "stock BF16", "all three (FP32 cos/sin)", "change", "all three (BF16 cos/sin)",
                       "change", "Transformers FP32", "change"], rows)
-    return "\n\n".join([head, table, "Against the paper's −10% to −25%: " + "; ".join(verdicts) + ".", source("03_table1", meta)])
+    return "\n\n".join([head, table, f"Against the paper's −{percent_range(*GAP_REDUCTION).replace('-', '% to −')}: " + "; ".join(verdicts) + ".", source("03_table1", meta)])
 
 
 def describe_vs_paper(row) -> str:
-    return change_vs_range(row["rel_ci_low"], row["rel_ci_high"], row["separated"], -0.25, -0.10)
+    return change_vs_range(row["rel_ci_low"], row["rel_ci_high"], row["separated"], *GAP_REDUCTION)
 
 
 def block_shapley() -> str:
@@ -89,9 +90,9 @@ def block_shapley() -> str:
         rows.append([f"{model} vs {mode}", cs, f"{red['reduction']:.3g} [{red['reduction_lo']:.3g}, {red['reduction_hi']:.3g}]"]
                     + (cells if meaningful else ["(no clear reduction)"] * len(cells)))
         if meaningful:
-            where = compare_interval(g.loc["rope", "share_lo"], g.loc["rope", "share_hi"], 0.769, 0.918) \
+            where = compare_interval(g.loc["rope", "share_lo"], g.loc["rope", "share_hi"], *ROPE_SHAPLEY_SHARE) \
                 if readable["rope"] else "cannot tell (its CI spans more than the whole range) against"
-            notes.append(f"{model} vs {mode} ({cs} cos/sin): RoPE {where} the paper's 77-92%")
+            notes.append(f"{model} vs {mode} ({cs} cos/sin): RoPE {where} the paper's {percent_range(*ROPE_SHAPLEY_SHARE)}")
     table = md_table(["model, mode", "RoPE cos/sin", "reduction (1e-4)", *[f"{r} share" for r in t["region"].unique()]], rows)
     return "\n\n".join([table, "; ".join(notes) + ".", source("04_shapley", meta)])
 

