@@ -83,8 +83,9 @@ def start(notebook_dir: Path, port: int, token: str, extra=(), env=None, log_lev
     return subprocess.Popen(lab_command(port, token, notebook_dir, extra, log_level), env=env, **popen_kwargs)
 
 
-def wait_until_ready(proc: subprocess.Popen, port: int, token: str, timeout: float = 120) -> None:
-    """Poll the server's status API until it answers; raise if the process exits or `timeout` passes."""
+def wait_until_ready(proc: subprocess.Popen, port: int, token: str, timeout: float = 600) -> None:
+    """Poll the server's status API until it answers; raise at once if the process exits, or after `timeout` (a hang
+    guard: a start beside other work on a loaded 2-core machine has taken over 120 s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

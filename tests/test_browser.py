@@ -132,7 +132,7 @@ def lab_server(tmp_path):
     # INFO: kernel starts, restarts and shutdowns go into lab.log, for the report of a failing run
     proc = lab.start(root, port, token, extra, env=env, log_level="INFO", stdout=log, stderr=log)
     try:
-        lab.wait_until_ready(proc, port, token, timeout=KERNEL_START_TIMEOUT_S)  # it fails at once if the server exits
+        lab.wait_until_ready(proc, port, token)
         yield port, token, Path(runtime)
     finally:
         lab.stop(proc)
