@@ -79,12 +79,12 @@ def cpu_hog(load: bool):
         hog.wait()
 
 
-def save_repeats(condition: str, runs: list[dict[str, str]]) -> pd.DataFrame:
-    """Per test, how many of `runs` it passed (and failed) under `condition`, merged into tables/bench_suite_repeats.csv
-    beside the other conditions' columns."""
+def save_repeats(condition: str, runs: list[dict[str, str]], commit: str) -> pd.DataFrame:
+    """Per test, how many of `runs` (of `commit`) it passed (and failed) under `condition`, merged into
+    tables/bench_suite_repeats.csv beside the other conditions' columns."""
     tests = sorted({t for r in runs for t in r})
     count = lambda t, outcome: sum(r.get(t) == outcome for r in runs)
-    new = pd.DataFrame({"test": tests, f"{condition}: runs": len(runs),
+    new = pd.DataFrame({"test": tests, f"{condition}: commit": commit, f"{condition}: runs": len(runs),
                         f"{condition}: passed": [count(t, "passed") for t in tests],
                         f"{condition}: failed": [count(t, "failed") for t in tests],
                         f"{condition}: skipped or xfailed": [count(t, "skipped") + count(t, "xfailed") for t in tests]})
@@ -94,7 +94,7 @@ def save_repeats(condition: str, runs: list[dict[str, str]]) -> pd.DataFrame:
         old = old[[c for c in old.columns if not c.startswith(f"{condition}: ")]]
         new = old.merge(new, on="test", how="outer")
     new = new.set_index("test").sort_index()
-    save_table(new, "bench_suite_repeats", dict(conditions=sorted({c.split(": ")[0] for c in new.columns})))
+    save_table(new, "bench_suite_repeats", dict(conditions=sorted({c.split(": ")[0] for c in new.columns})), commit=commit)
     return new
 
 
@@ -113,7 +113,7 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
         failed = sorted(t for t, o in runs[-1].items() if o == "failed")
         print(f"{condition} #{k}: exit {rc}, {test_s / 60:.1f} min, {len(runs[-1])} tests, failed: {failed or 'none'}", flush=True)
         record_run(f"{condition} #{k}", commit, setup_s if k == 1 else 0, test_s, out, rc)
-    table = save_repeats(condition, runs)
+    table = save_repeats(condition, runs, commit)
     flaky = table[table[f"{condition}: failed"] > 0]
     print(f"{condition}: {repeat} runs; tests that failed at least once: {list(flaky.index) or 'none'}")
     return max(exit_codes)
@@ -133,7 +133,7 @@ def record_run(label: str, commit: str, setup_s: float, test_s: float, out: str,
     path = TABLES_DIR / "bench_fresh_clone.csv"
     old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=list(row))
     table = pd.concat([old[old["label"] != label], pd.DataFrame([row])], ignore_index=True)
-    save_table(table.set_index("label"), "bench_fresh_clone", dict(labels=list(table["label"])))
+    save_table(table.set_index("label"), "bench_fresh_clone", dict(labels=list(table["label"])), commit=commit)
     return row
 
 
