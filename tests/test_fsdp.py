@@ -6,8 +6,11 @@ one backward over the whole batch (grpo.Policy as it is) within the tolerances t
 `compare` there). A wrong launch must stop before training and leave no file behind.
 """
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -20,10 +23,39 @@ from rla_lib.models import load_model
 SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "fsdp_grpo.py"
 
 
+HANG_GUARD_S = 600  # two processes importing torch and rla_lib and running 3 steps take 25-60 s on a loaded 2-core machine
+
+
 def torchrun(nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The entry point under torchrun. If it hangs, each worker's Python stack goes into the failure (faulthandler on
+    SIGABRT) before it is stopped: one run of the wrong-world-size launch under load once hung with both workers alive
+    and silent, and nothing told where."""
+    import psutil
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
                "--table", str(tmp_path / "table.csv"), "--checkpoints", str(tmp_path / "checkpoints"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    try:
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        for worker in psutil.Process(proc.pid).children(recursive=True):
+            worker.send_signal(signal.SIGABRT)  # faulthandler prints its stack
+        time.sleep(5)
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"torchrun hung for {HANG_GUARD_S} s; the workers' stacks:\n{stderr[-8000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def launched_alone(tmp_path: Path, world_size: int, *args: str) -> subprocess.CompletedProcess:
+    """The entry point as rank 0 of a torchrun launch of `world_size` processes would start it (torchrun's
+    environment), in one process: a refusal that comes before any process group is joined needs no second worker."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
+    command = [sys.executable, str(SCRIPT), "--table", str(tmp_path / "table.csv"),
+               "--checkpoints", str(tmp_path / "checkpoints"), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
 
 
 def test_check_launch_says_what_to_change():
@@ -36,9 +68,9 @@ def test_check_launch_says_what_to_change():
     assert [i for b in blocks for i in range(32)[b]] == list(range(32))
 
 
-@pytest.mark.engine  # 10-20 s: two processes importing torch and rla_lib (the message is checked above too)
+@pytest.mark.engine  # 10-20 s: a process importing torch and rla_lib (the message is checked above too)
 def test_wrong_world_size_stops_before_training(tmp_path):
-    result = torchrun(2, tmp_path, "--world-size", "3")
+    result = launched_alone(tmp_path, 2, "--world-size", "3")
     assert result.returncode != 0
     assert "set up for 3 processes but torchrun started 2" in result.stdout + result.stderr
     assert not (tmp_path / "table.csv").exists() and not (tmp_path / "checkpoints").exists()
