@@ -254,8 +254,8 @@ def block_suite_repeats() -> str:
         ran = t[t[f"{condition}: runs"].notna()]
         commit = ran[f"{condition}: commit"].iloc[0] if f"{condition}: commit" in ran else "?"
         flaky = ran[ran[f"{condition}: failed"] > 0]
-        failures = ", ".join(f"`{test}` ({int(r[f'{condition}: failed'])} of {int(r[f'{condition}: runs'])})"
-                             for test, r in flaky.iterrows()) or "none"
+        failures = ", ".join(f"`{r['test']}` ({int(r[f'{condition}: failed'])} of {int(r[f'{condition}: runs'])})"
+                             for _, r in flaky.iterrows()) or "none"
         rows.append([condition, commit, int(ran[f"{condition}: runs"].max()), len(ran),
                      int((ran[f"{condition}: passed"] == ran[f"{condition}: runs"]).sum()),
                      int((ran[f"{condition}: skipped or xfailed"] == ran[f"{condition}: runs"]).sum()), failures])

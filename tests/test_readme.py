@@ -192,3 +192,18 @@ def test_the_whole_readme_has_no_hand_typed_figures():
     assert allowed["30-100"][0] >= 30 and allowed["30-100"][1] <= 100
     assert (allowed["151,936"], allowed["1,024"], allowed["22"], allowed["1.0"]) == ("151,936", "1,024", 22, 1.0)
     assert (allowed["127.0.0.1"], allowed["8888"], allowed["1.003"]) == ("127.0.0.1", 8888, 1.003)
+
+
+def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fresh_clone_test
+
+    monkeypatch.setattr(fresh_clone_test, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path)
+    runs = [{"t.py::a": "passed", "t.py::b": "failed", "t.py::c": "xfailed"},
+            {"t.py::a": "passed", "t.py::b": "passed", "t.py::c": "xfailed"}]
+    fresh_clone_test.save_repeats("loaded, avx2", runs, "abc1234")
+    fresh_clone_test.save_repeats("plain, avx2", runs[1:], "abc1234")
+    block = readme_speed.block_suite_repeats()
+    assert "| loaded, avx2 | abc1234 | 2 | 3 | 1 | 1 | `t.py::b` (1 of 2) |" in block
+    assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block
