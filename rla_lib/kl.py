@@ -286,8 +286,8 @@ def paired_difference(a_sums, b_sums, counts, clusters=None, n_boot: int = 2000,
     d_lo, d_hi = ratio_ci(cb - ca, cc, n_boot, seed, level, method)
     # b / a = Σcb / Σca is itself a ratio over clusters: the same interval, shifted by 1 (a positive-KL baseline)
     positive = bool((ca >= 0).all() and ca.sum() > 0)
-    r_lo, r_hi = (np.subtract(ratio_ci(cb, ca, n_boot, seed, level, method if positive else "percentile"), 1)
-                  if a != 0 and positive else _percentile_relative(ca, cb, cc, n_boot, seed, level))
+    r_lo, r_hi = (np.subtract(ratio_ci(cb, ca, n_boot, seed, level, method), 1) if positive
+                  else _percentile_relative(ca, cb, cc, n_boot, seed, level))
     relative = b / a - 1 if a != 0 else np.nan
     return Difference(a / unit, b / unit, diff / unit, diff_se / unit, d_lo / unit, d_hi / unit, float(relative),
                       float(r_lo), float(r_hi), int(counts.sum()), len(cc), unit, level)
