@@ -125,6 +125,36 @@ def _speed_overhead(add, checks: list, controls: dict) -> None:
                            | ({CAPPED: ends(pick(capped[0], config).iloc[0])} if has_capped else {})))
 
 
+def _make_test_row(add, checks: list, rows_meta: dict | None) -> None:
+    """The `make test` target's row: the latest plain run on each CPU (runs beside a CPU hog test the suite, not its
+    speed), capped runs likewise; the verdict goes by the run on the speed table's own CPU (`rows_meta`)."""
+    t, meta = load_table("bench_fresh_clone")
+    labels = t["label"].astype(str)
+    t = t[~labels.str.startswith("loaded")]
+    labels = t["label"].astype(str)
+    is_capped = labels.str.startswith(f"ISA={CAPPED}") | labels.str.contains(f", {CAPPED} #", regex=False)
+    uncapped, capped_runs = t[~is_capped], t[is_capped]
+    first = uncapped.iloc[0]
+    counts = lambda r: f"{r['test_s'] / 60:.1f} min ({r['commit']}), {r['passed']} passed, {r['failed']} failed"
+
+    def per_cpu(runs, spread: bool) -> str:
+        """The latest run on each CPU the suite ran on, newest first."""
+        groups = sorted(runs.groupby("machine", sort=False), key=lambda kv: -kv[1].index.max())
+        return "; ".join(counts(g.iloc[-1]) + _on(g.iloc[-1]) + (_spread(g, 12) if spread else "") for _, g in groups)
+
+    def on_home(runs):
+        """The latest run on the speed table's own CPU (its verdict's "this CPU"), else the latest."""
+        home = runs[runs["machine"] == _cpu(rows_meta)] if rows_meta else runs.iloc[0:0]
+        return home.iloc[-1] if len(home) else runs.iloc[-1] if len(runs) else None
+
+    last, capped_row = on_home(uncapped), on_home(capped_runs)
+    add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
+        f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})", per_cpu(uncapped, True), rows_meta or meta,
+        capped=per_cpu(capped_runs, False) if len(capped_runs) else "(not measured)")
+    minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and _passed(r) else None
+    checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
+
+
 def block_speed() -> str:
     """Issue 19's targets, each before and after, from the tables the benchmarks and `make run-all` wrote; and after,
     with this CPU capped to AVX2 (no BF16 instructions, the issue's machine kind), where that run's table is there."""
@@ -148,31 +178,7 @@ def block_speed() -> str:
         checks.append(("`make run-all`", 10, " min", _without_ci(wall_seconds(after) / 60,
                                                                   wall_seconds(capped[0]) / 60 if capped else None)))
     if (TABLES_DIR / "bench_fresh_clone.csv").exists():
-        t, meta = load_table("bench_fresh_clone")
-        labels = t["label"].astype(str)
-        t = t[~labels.str.startswith("loaded")]  # runs beside a CPU hog test the suite, not its speed
-        labels = t["label"].astype(str)
-        is_capped = labels.str.startswith(f"ISA={CAPPED}") | labels.str.contains(f", {CAPPED} #", regex=False)
-        uncapped, capped_runs = t[~is_capped], t[is_capped]
-        first = uncapped.iloc[0]
-        counts = lambda r: f"{r['test_s'] / 60:.1f} min ({r['commit']}), {r['passed']} passed, {r['failed']} failed"
-
-        def per_cpu(runs, spread: bool) -> str:
-            """The latest run on each CPU the suite ran on, newest first."""
-            groups = sorted(runs.groupby("machine", sort=False), key=lambda kv: -kv[1].index.max())
-            return "; ".join(counts(g.iloc[-1]) + _on(g.iloc[-1]) + (_spread(g, 12) if spread else "") for _, g in groups)
-
-        def on_home(runs):
-            """The latest run on the speed table's own CPU (its verdict's "this CPU"), else the latest."""
-            home = runs[runs["machine"] == _cpu(rows_meta)] if rows_meta else runs.iloc[0:0]
-            return home.iloc[-1] if len(home) else runs.iloc[-1] if len(runs) else None
-
-        last, capped_row = on_home(uncapped), on_home(capped_runs)
-        add("`make test` <= 12 min", "whole suite on a fresh clone, after set-up", ".venv/bin/python benchmarks/fresh_clone_test.py",
-            f"{first['test_s'] / 60:.1f} min ({first['commit']}{_on(first)})", per_cpu(uncapped, True), rows_meta or meta,
-            capped=per_cpu(capped_runs, False) if len(capped_runs) else "(not measured)")
-        minutes_if_passed = lambda r: r["test_s"] / 60 if r is not None and _passed(r) else None
-        checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
+        _make_test_row(add, checks, rows_meta)
     def step(r) -> str:
         text = (f"{r['total']:.2f} s ({r['rollout']:.2f} rollout + {r['score']:.2f} scoring + {r['update']:.2f} update + "
                 f"{r['sync']:.2f} weight push)")
