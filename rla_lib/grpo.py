@@ -51,7 +51,7 @@ from .engine import Engine
 from .engine_align import engine_schedule_for
 from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
-from .machine import machine, release_memory
+from .machine import machine, release_memory, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write, slug
 from .progress import bar
@@ -198,6 +198,8 @@ class Policy:
         self.master = load_model(cfg.model, dtype="float32")
         self.master.train()
         self.compute = load_model(cfg.model, dtype=cfg.dtype) if cfg.precision == "bf16" else self.master
+        if self.compute is self.master:
+            use_fp32_row_blocks(self.master)  # a row's bits independent of its batch, as the fast step needs
         self.compute.train()
         if cfg.regions:
             align(self.compute, cfg.regions, **cfg.align_options)

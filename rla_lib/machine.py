@@ -254,19 +254,24 @@ def describe(m: dict | None = None) -> str:
 
 
 # ---- a BF16 GEMM at FP32 speed ---------------------------------------------------------------------
-# FP32 GEMM libraries (MKL here) pick their kernel, and with it the summation order of a row, by the row count:
-# the same row gave other bits in a 3-row product than in a 50-row one. Padded to a multiple of ROW_BLOCK rows,
-# every row got the same bits whatever the batch around it (tests/test_machine.py), as torch's BF16 GEMM gives.
-ROW_BLOCK = 64
+# FP32 GEMM libraries (MKL here) pick their kernel, and with it the summation order of a row, by the shape: the
+# same row gave other bits in a 3-row product than in a 50-row one. So every product here is a loop of
+# ROW_BLOCK-row products of one shape. Within a block a row's order still depends on its place when the block is
+# not a whole number of the kernel's row panels per thread: with MKL's AVX2 code (an Intel CPU capped to AVX2) and
+# 64-row blocks on 2 threads, rows 30, 31, 62 and 63 of a block were summed otherwise for outputs of 16-64 columns.
+# 48 rows (2 threads x 24, a multiple of 6- and 8-row panels) gave every row the same bits at every place, on 1 and
+# 2 threads, with MKL's AVX2 and AVX-512 code (tests/test_machine.py), as torch's BF16 GEMM gives.
+ROW_BLOCK = 48
 
 
 def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight_t (+ bias) for a 2-D FP32 x, its rows padded with zeros to a multiple of `ROW_BLOCK`: each
-    row's bits then do not depend on how many rows are multiplied with it."""
+    """x @ weight_t (+ bias) for a 2-D FP32 x, as products of `ROW_BLOCK` rows each (the last padded with zeros):
+    each row's bits then do not depend on how many rows are multiplied with it."""
     rows = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -rows % ROW_BLOCK))
-    out = padded @ weight_t if bias is None else torch.addmm(bias, padded, weight_t)
-    return out[:rows]
+    blocks = padded.split(ROW_BLOCK) or [padded]  # no rows: one empty product
+    products = [b @ weight_t if bias is None else torch.addmm(bias, b, weight_t) for b in blocks]
+    return torch.cat(products)[:rows]
 
 
 class LinearFP32Accumulate(torch.autograd.Function):
@@ -312,6 +317,21 @@ def _linear_fp32_accumulate(self: torch.nn.Linear, x: torch.Tensor) -> torch.Ten
     if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         return LinearFP32Accumulate.apply(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)  # FP32 models, CUDA: the stock kernel
+
+
+def _linear_fp32_row_blocks(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+        return LinearFP32Accumulate.apply(x, self.weight, self.bias)  # FP32 operands: the FP32 GEMM in row blocks
+    return F.linear(x, self.weight, self.bias)
+
+
+def use_fp32_row_blocks(model: torch.nn.Module) -> None:
+    """Make an FP32 model's linear layers multiply in `ROW_BLOCK`-row products (`rows_times`), so a row's bits do
+    not depend on its batch. MKL's AVX2 FP32 GEMM (an Intel CPU capped to AVX2) sums a row in an order that
+    depends on the row count; the GRPO fast step scores rows apart from their batch (the FP32 control)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = types.MethodType(_linear_fp32_row_blocks, module)
 
 
 def has_fp32_matmul(module: torch.nn.Module) -> bool:

@@ -93,6 +93,39 @@ def test_fp32_accumulate_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(batched.view(700, 768), whole[0])
 
 
+@pytest.mark.parametrize("k, n", [(256, 16), (256, 64), (768, 256), (100, 300)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_at_every_place_in_a_row_block(k, n, threads):
+    """MKL's row panels: a row at the end of a thread's share of a block can be summed in another order (AVX2,
+    64-row blocks: rows 30, 31, 62, 63 with 16-64 outputs). A row block must hold whole panels on every thread."""
+    g = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(machine.ROW_BLOCK + 1, k, generator=g), torch.randn(n, k, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = machine.rows_times(x[:1], w.T)
+        moved = [place for place in range(machine.ROW_BLOCK + 1)
+                 if not torch.equal(machine.rows_times(torch.cat([x[1 : 1 + place], x[:1]]), w.T)[-1:], alone)]
+    finally:
+        torch.set_num_threads(before)
+    assert moved == []
+
+
+def test_the_fp32_control_multiplies_in_row_blocks_and_bf16_models_are_left_alone():
+    model = tiny_qwen3().float().eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    machine.use_fp32_row_blocks(model)
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:2]).logits
+        batched = model(input_ids=ids).logits
+    assert torch.equal(alone[0], batched[1])
+    bf16 = tiny_qwen3().to(BF16).eval()
+    with torch.no_grad():
+        before = bf16(input_ids=ids).logits
+        machine.use_fp32_row_blocks(bf16)  # BF16 inputs are not its job: torch's kernel, bitwise
+        assert torch.equal(bf16(input_ids=ids).logits, before)
+
+
 def test_fp32_accumulate_linear_backward_leaves_out_rows_without_gradient():
     """Padding rows get an all-zero gradient; the backward leaves them out. The result is exactly that of the live
     rows alone: their input gradients bit for bit, zeros for the rest, and the weight and bias gradients of the
