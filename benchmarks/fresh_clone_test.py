@@ -80,19 +80,37 @@ def cpu_hog(load: bool):
 
 
 def save_repeats(condition: str, runs: list[dict[str, str]], commit: str) -> pd.DataFrame:
-    """Per test, how many of `runs` (of `commit`) it passed (and failed) under `condition`, merged into
-    tables/bench_suite_repeats.csv beside the other conditions' columns."""
+    """Per test, how many runs under `condition` it passed (and failed), added to the counts of earlier invocations
+    in tables/bench_suite_repeats.csv (a condition's runs can come from several sessions; the commits column lists
+    each run's commit), beside the other conditions' columns."""
     tests = sorted({t for r in runs for t in r})
     count = lambda t, outcome: sum(r.get(t) == outcome for r in runs)
-    new = pd.DataFrame({"test": tests, f"{condition}: commit": commit, f"{condition}: runs": len(runs),
-                        f"{condition}: passed": [count(t, "passed") for t in tests],
-                        f"{condition}: failed": [count(t, "failed") for t in tests],
-                        f"{condition}: skipped or xfailed": [count(t, "skipped") + count(t, "xfailed") for t in tests]})
+    columns = {"passed": ("passed",), "failed": ("failed",), "skipped or xfailed": ("skipped", "xfailed")}
+    new = pd.DataFrame({"test": tests, f"{condition}: runs": len(runs)} |
+                       {f"{condition}: {name}": [sum(count(t, o) for o in outcomes) for t in tests]
+                        for name, outcomes in columns.items()})
+    commits = [commit] * len(runs)
     path = TABLES_DIR / "bench_suite_repeats.csv"
+    seen = [condition]
     if path.exists():
         old = pd.read_csv(path)
-        old = old[[c for c in old.columns if not c.startswith(f"{condition}: ")]]
+        seen = [c.split(": ")[0] for c in old.columns if c != "test"] + seen
+        mine = [c for c in old.columns if c.startswith(f"{condition}: ")]
+        if mine:
+            earlier = old[["test"] + mine].dropna(subset=[f"{condition}: runs"])
+            commits = str(earlier[f"{condition}: commit"].iloc[0]).split() + commits
+            merged = earlier.merge(new, on="test", how="outer", suffixes=("", " new")).fillna(0)
+            for name in ["runs", *columns]:
+                merged[f"{condition}: {name}"] = merged[f"{condition}: {name}"] + merged[f"{condition}: {name} new"]
+            new = merged[["test"] + [f"{condition}: {n}" for n in ["runs", *columns]]]
+        old = old[[c for c in old.columns if c not in mine]]
         new = old.merge(new, on="test", how="outer")
+    new[f"{condition}: commit"] = " ".join(commits)
+    new.loc[new[f"{condition}: runs"].isna(), f"{condition}: commit"] = None
+    counts = [c for c in new.columns if c.split(": ")[-1] in ["runs", *columns]]
+    new[counts] = new[counts].astype("Int64")
+    conditions = list(dict.fromkeys(seen))  # the table's order, a new condition last
+    new = new[["test"] + [f"{c}: {n}" for c in conditions for n in ["commit", "runs", *columns]]]
     new = new.set_index("test").sort_index()
     save_table(new, "bench_suite_repeats", dict(conditions=sorted({c.split(": ")[0] for c in new.columns})), commit=commit)
     return new

@@ -273,6 +273,6 @@ def block_suite_repeats() -> str:
         rows.append([condition, commit, int(ran[f"{condition}: runs"].max()), len(ran),
                      int((ran[f"{condition}: passed"] == ran[f"{condition}: runs"]).sum()),
                      int((ran[f"{condition}: skipped or xfailed"] == ran[f"{condition}: runs"]).sum()), failures])
-    header = ["condition", "commit", "runs", "tests", "passed in every run", "skipped or an expected failure in every run",
+    header = ["condition", "commits", "runs", "tests", "passed in every run", "skipped or an expected failure in every run",
               "tests that failed in a run"]
     return "\n\n".join([md_table(header, rows), source("bench_suite_repeats", meta)])
