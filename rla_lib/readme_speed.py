@@ -266,7 +266,7 @@ def block_suite_repeats() -> str:
     rows = []
     for condition in dict.fromkeys(c.split(": ")[0] for c in t.columns if c != "test"):
         ran = t[t[f"{condition}: runs"].notna()]
-        commit = ran[f"{condition}: commit"].iloc[0] if f"{condition}: commit" in ran else "?"
+        commit = " ".join(dict.fromkeys(str(ran[f"{condition}: commit"].iloc[0]).split()))  # each run's, once
         flaky = ran[ran[f"{condition}: failed"] > 0]
         failures = ", ".join(f"`{r['test']}` ({int(r[f'{condition}: failed'])} of {int(r[f'{condition}: runs'])})"
                              for _, r in flaky.iterrows()) or "none"

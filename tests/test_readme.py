@@ -207,3 +207,7 @@ def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch)
     block = readme_speed.block_suite_repeats()
     assert "| loaded, avx2 | abc1234 | 2 | 3 | 1 | 1 | `t.py::b` (1 of 2) |" in block
     assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block
+    fresh_clone_test.save_repeats("loaded, avx2", [{"t.py::a": "failed", "t.py::d": "passed"}], "def5678")  # later
+    block = readme_speed.block_suite_repeats()
+    assert "| loaded, avx2 | abc1234 def5678 | 3 | 4 | 1 | 1 | `t.py::a` (1 of 3), `t.py::b` (1 of 2) |" in block
+    assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
