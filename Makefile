@@ -60,11 +60,11 @@ run-all: setup
 		[ $$status -eq 0 ] || { echo "$$nb failed (log: notebooks/executed/$$name.log; executed copy: notebooks/executed/$$name.ipynb)"; exit 1; }; \
 	done
 	$(PY) -m rla_lib.report times notebooks/executed
-	$(PY) -m rla_lib.readme
+	$(PY) -m tools.readme
 
 # The README's measured numbers, rewritten from the result tables under tables/ (run-all ends with it).
 readme: setup
-	$(PY) -m rla_lib.readme
+	$(PY) -m tools.readme
 
 # Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
 PYTEST_ARGS ?=
@@ -114,7 +114,7 @@ test-fast: setup
 
 # JupyterLab on notebooks/ with the rla kernel, on 127.0.0.1:$$LAB_PORT (8888; the next free port if taken).
 lab: setup
-	$(PY) -m rla_lib.lab notebooks
+	$(PY) -m tools.lab notebooks
 
 models: setup
 	$(PY) -m rla_lib.pretrain

@@ -46,7 +46,7 @@ import pandas as pd
 
 from rla_lib import grpo
 from rla_lib.grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, claimed  # claimed: workers share one run list
-from rla_lib.stability import summarize, sweep_sidecar_path
+from rla_lib.studies.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
@@ -437,6 +436,8 @@ class MismatchMonitor:
         return pd.DataFrame(self.rows, columns=list(MONITOR_COLUMNS))
 
     def plot(self, ax=None):
+        import matplotlib.pyplot as plt  # here, not at the top: a trainer importing the monitor draws nothing
+
         ax = ax or plt.subplots(figsize=(6, 3))[1]
         h = self.history
         ax.plot(h["step"], h["k3"], label="k3")

@@ -62,9 +62,19 @@ def fingerprint(model_dir: Path) -> str:
     for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for module in ("align.py", "attention.py", "scoring.py", "exact_kl.py", "engine.py", "mismatch.py", "machine.py", "models.py"):
-        h.update((Path(__file__).parent / module).read_bytes())
+    for source in core_sources():
+        h.update(f"{source.relative_to(PACKAGE)}:".encode() + source.read_bytes())
     return h.hexdigest()[:12]
+
+
+PACKAGE = Path(__file__).parent
+
+
+def core_sources() -> list[Path]:
+    """Every source file of the core (Python, the C kernels, the child processes' start-up code): any of them can
+    change a score. The studies (`rla_lib.studies`) only read scores."""
+    return sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c")
+                  and not {"studies", "__pycache__"} & set(p.relative_to(PACKAGE).parts))
 
 
 def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:

@@ -1,7 +1,7 @@
 """BF16 rounding with exact semantics, rounding positions and their clustering, and the op-chain toy.
 
 Pure arithmetic on tensors (torch only). Where a Transformers model rounds, and the values it is about to
-round, are `rla_lib.prerounding`; per-location tables and the paper's claims are `rla_lib.location_clustering`.
+round, are `rla_lib.studies.prerounding`; per-location tables and the paper's claims are `rla_lib.studies.location_clustering`.
 
 Part 1, BF16 arithmetic on FP32 tensors (exact: integer operations on the int32 view, no float tricks).
 

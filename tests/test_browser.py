@@ -1,7 +1,7 @@
 """JupyterLab as people use it: headless Chromium runs notebook 01, moves its widget, sees its figure.
 
 The browser is Debian's `chromium` (make setup installs it where it can), driven by Playwright's Python
-package with `executable_path`: nothing is downloaded. The server is `rla_lib.lab` (what `make lab` runs)
+package with `executable_path`: nothing is downloaded. The server is `tools.lab` (what `make lab` runs)
 on 127.0.0.1, serving a temporary copy of the notebook (JupyterLab autosaves outputs into what it opens).
 Screenshots go to screenshots/ (ignored by git). Marked `engine` as well as `browser`, so the fast tier
 (`make test-fast`, `-m "not engine"`) skips it: it takes a JupyterLab start plus a full notebook run.
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from rla_lib import lab, rounding
+from rla_lib import rounding
+from tools import lab
 from rla_lib.paths import ROOT
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -38,7 +39,7 @@ KERNEL_START_TIMEOUT_S = 600  # the same kind of guard for the kernel's start
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 
 
-# ---- rla_lib.lab without a browser -------------------------------------------------------------
+# ---- tools.lab without a browser -------------------------------------------------------------
 def test_a_taken_port_is_skipped():
     with socket.socket() as s:
         s.bind((lab.HOST, 0))
@@ -108,7 +109,7 @@ def chromium():
 
 @pytest.fixture
 def lab_server(tmp_path):
-    """JupyterLab (rla_lib.lab) on a free port with a test token, serving a copy of notebook 01: (port, token, runtime dir)."""
+    """JupyterLab (tools.lab) on a free port with a test token, serving a copy of notebook 01: (port, token, runtime dir)."""
     root = tmp_path / "notebooks"
     root.mkdir()
     shutil.copy(ROOT / "notebooks" / NOTEBOOK, root / NOTEBOOK)

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rla_lib import dose_response as dr
+from rla_lib.studies import dose_response as dr
 from rla_lib.grpo import ENGINE_SCHEDULE
 
 

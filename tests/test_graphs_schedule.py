@@ -4,6 +4,7 @@ import pytest
 
 from rla_lib import graphs
 from rla_lib.align import REGIONS, AlignOptions, current
+from rla_lib.engine_align import align_to_engine
 from rla_lib.models import load_model
 from test_graphs_inductor import CPU_CODE
 from test_graphs_reader import tiny
@@ -29,10 +30,10 @@ def test_schedule_json_roundtrip_and_apply(tmp_path):
     sums = options.pop("rms_sum")  # how each norm sums x², per layer (tests/test_align_rms_sum.py)
     assert options == {"rope_cos_sin": "bf16", "rope_qk_norm": "fp32", "norm_weight": "fp32", "residual_stream": "fp32"}
     with pytest.raises(ValueError, match="layouts for a model with 2"):  # the schedule's 4 layers against 2
-        graphs.align_to_schedule(tiny("qwen3"), loaded)
+        align_to_engine(tiny("qwen3"), loaded)
     options["rms_sum"] = sums
     model = load_model("qwen3-tiny")
-    handle = graphs.align_to_schedule(model, loaded)
+    handle = align_to_engine(model, loaded)
     assert current(model) == (regions, AlignOptions(**options))
     handle.undo()
     assert current(model) is None

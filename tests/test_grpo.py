@@ -5,7 +5,8 @@ import pandas as pd
 import pytest
 import torch
 
-from rla_lib import grpo, stability
+from rla_lib import grpo
+from rla_lib.studies import stability
 from rla_lib.models import load_model
 
 

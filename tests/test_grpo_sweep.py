@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rla_lib import dose_response
+from rla_lib.studies import dose_response
 from rla_lib.paths import ROOT
 
 

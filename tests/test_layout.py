@@ -11,13 +11,22 @@ MAX_MODULE_LINES = 650  # "no module over ~600 lines"
 MAX_FUNCTION_LINES = 85  # "no function over ~80"
 # Imported inside functions on purpose: heavy and optional (vLLM only where the engine runs; inductor's ISA
 # probe, 1.5 s to import, only in notebook 07's capped workers; IPython and jupyter_client only where a notebook
-# or JupyterLab is in use).
-LAZY_IMPORTS = ("vllm", "torch._inductor", "IPython", "jupyter_client")
+# or JupyterLab is in use; matplotlib only where a figure is drawn, so a trainer importing the monitor does not load it).
+LAZY_IMPORTS = ("vllm", "torch._inductor", "IPython", "jupyter_client", "matplotlib")
+
+
+TOOLS = PACKAGE.parent / "tools"  # the README renderer and the lab launcher, outside the package
 
 
 def modules():
+    """Every module of the package (core and studies) and of tools/, by dotted name."""
+    files = sorted(PACKAGE.rglob("*.py")) + sorted(TOOLS.glob("*.py"))
     return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in sorted(PACKAGE.rglob("*.py")) if "child_site" not in p.parts}
+            for p in files if "child_site" not in p.parts}
+
+
+def part(name: str) -> str:
+    return "tools" if name.split(".")[0] == "tools" else "studies" if name.startswith("rla_lib.studies") else "core"
 
 
 def imported(name: str, path: Path, top_level_only: bool) -> set[str]:
@@ -54,6 +63,17 @@ def test_no_import_cycles():
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_the_core_imports_no_study_and_no_tool():
+    """What a user imports (`rla_lib`) stands alone: the studies behind single notebooks (`rla_lib.studies`) and the
+    project's tools (`tools/`) build on it, never the other way; a study imports no tool."""
+    names = modules()
+    assert {part(n) for n in names} == {"core", "studies", "tools"}
+    wrong = [f"{name} -> {dep}" for name, path in names.items()
+             for dep in sorted(imported(name, path, top_level_only=False))
+             if (part(name), part(dep)) in {("core", "studies"), ("core", "tools"), ("studies", "tools")}]
+    assert not wrong, "imports across the parts' order (core <- studies <- tools):\n" + "\n".join(wrong)
 
 
 def test_imports_are_at_the_top():

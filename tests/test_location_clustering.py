@@ -1,4 +1,4 @@
-"""rla_lib.location_clustering: clustering tables per location, their classes against the floor and the paper's
+"""rla_lib.studies.location_clustering: clustering tables per location, their classes against the floor and the paper's
 range, and the paper's claims judged from them."""
 
 import math
@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from rla_lib import location_clustering as LC
-from rla_lib import prerounding as P
+from rla_lib.studies import location_clustering as LC
+from rla_lib.studies import prerounding as P
 from rla_lib.models import EMBEDDED_MODELS
 from tiny_models import batch, one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 

@@ -242,3 +242,21 @@ def test_measure_at_a_temperature_scores_both_sides_at_it(tmp_path, monkeypatch)
     tempered = cold.full["hf:bf16:none"].astype(np.float64) / 0.7  # softmax(logits / T) from the T=1 distribution
     tempered -= np.logaddexp.reduce(tempered, -1, keepdims=True)
     np.testing.assert_allclose(hot.full["hf:bf16:none"], tempered, atol=1e-4)  # FP32 rounding of logits ~40 in size
+
+
+def test_the_results_cache_key_covers_every_core_source_and_no_study(tmp_path, monkeypatch):
+    """The key follows the package's files, not a hand list: the C kernels, the child processes' start-up code and
+    every core module can change a score (a study cannot); editing one changes the key."""
+    names = {str(p.relative_to(mismatch.PACKAGE)) for p in mismatch.core_sources()}
+    assert {"native_kernels.c", "native.py", "vector_sums.py", "engine_process.py", "logit_noise.py", "align_versions.py",
+            "child_site/sitecustomize.py", "graphs/reader.py", "align.py", "scoring.py"} <= names
+    assert not any(n.startswith("studies/") for n in names)
+    package = tmp_path / "rla_lib"
+    for name in names:
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_bytes((mismatch.PACKAGE / name).read_bytes())
+    monkeypatch.setattr(mismatch, "PACKAGE", package)
+    model = mismatch.resolve_model("qwen3-tiny").path
+    before = mismatch.fingerprint(model)
+    (package / "native_kernels.c").write_text((package / "native_kernels.c").read_text() + "\n/* changed */\n")
+    assert mismatch.fingerprint(model) != before

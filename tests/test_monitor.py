@@ -1,4 +1,6 @@
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -178,3 +180,10 @@ def test_callback_adds_the_keys_to_the_logs_and_the_history():
     callback.flush()
     handler.on_log(None, state, control, quiet := {"loss": 0.4})
     assert quiet == {"loss": 0.4}
+
+
+def test_importing_the_monitor_loads_no_plotting_library():
+    """A trainer that imports the monitor pays for what it uses: no matplotlib (the monitor's plot imports it)."""
+    code = "import sys, rla_lib.monitor; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,11 +1,12 @@
-"""rla_lib.op_check against eager vLLM: every op of the engine-aligned training side, fed the engine's inputs,
+"""rla_lib.studies.op_check against eager vLLM: every op of the engine-aligned training side, fed the engine's inputs,
 gives the engine's output bit for bit; vLLM's attention kernel is reproduced by the "vllm_cpu" numerics."""
 
 import pytest
 
-from rla_lib import machine, op_check
-from rla_lib.engine_align import with_attention
-from rla_lib.graphs import Graph, align_to_schedule, read_points
+from rla_lib import machine
+from rla_lib.studies import op_check
+from rla_lib.engine_align import align_to_engine, with_attention
+from rla_lib.graphs import Graph, read_points
 from rla_lib.graphs import schedule as graphs_schedule
 from rla_lib.models import load_model
 from test_graphs_inductor import EAGER_TRACE
@@ -43,7 +44,7 @@ def test_engine_aligned_side_equals_eager_vllm_at_every_op(captures):
     # the schedule read from eager vLLM's real aten trace of this model (committed; a live capture reads the same)
     points = read_points(Graph.load(EAGER_TRACE))
     schedule = with_attention(graphs_schedule(points, "vllm:eager"), "vllm_cpu" if ATTENTION_REPRODUCED else "flash")
-    handle = align_to_schedule(model, schedule)
+    handle = align_to_engine(model, schedule)
     try:
         aligned = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
     finally:

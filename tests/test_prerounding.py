@@ -1,4 +1,4 @@
-"""rla_lib.prerounding: the values the stock model is about to round (checked against the stock BF16 tensors),
+"""rla_lib.studies.prerounding: the values the stock model is about to round (checked against the stock BF16 tensors),
 RoPE at chosen positions, and the region outputs of stock vs aligned layers."""
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from rla_lib import prerounding as P
+from rla_lib.studies import prerounding as P
 from rla_lib import rounding as R
 from rla_lib.align import aligned
 from rla_lib.models import EMBEDDED_MODELS, load_model

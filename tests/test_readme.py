@@ -1,11 +1,12 @@
-"""Every number in the README's "Measured here" comes from a committed table (rla_lib.readme renders it)."""
+"""Every number in the README's "Measured here" comes from a committed table (tools.readme renders it)."""
 
 import re
 
 import pandas as pd
 import pytest
 
-from rla_lib import readme, readme_speed, report
+from rla_lib import report
+from tools import readme, readme_speed
 from rla_lib.paths import ROOT
 
 
@@ -148,7 +149,8 @@ def readme_settings() -> dict[str, object]:
     import random
     from importlib import metadata
 
-    from rla_lib import align_versions, grpo, lab, paper, pretrain, real_shape, task
+    from rla_lib import align_versions, grpo, paper, pretrain, real_shape, task
+    from tools import lab
     from rla_lib.machine import _version
     from rla_lib.paths import MODELS_DIR
 

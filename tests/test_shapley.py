@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rla_lib.shapley import bootstrap_shapley, coalitions, shapley_values, shares
+from rla_lib.studies.shapley import bootstrap_shapley, coalitions, shapley_values, shares
 
 
 def test_additive_game_gives_each_player_its_own_value():
@@ -51,7 +51,7 @@ def test_bootstrap_covers_the_truth_on_a_synthetic_game():
 
 
 def test_attribute_table_on_an_additive_game():
-    from rla_lib.shapley import attribute
+    from rla_lib.studies.shapley import attribute
 
     counts = np.full(50, 10)
     effect = {"a": 3e-4, "b": 1e-4}
@@ -91,7 +91,7 @@ def test_bootstrap_resamples_prompts_and_copies_add_no_information():
 
 
 def test_attribute_passes_clusters_and_reports_the_reduction_ci():
-    from rla_lib.shapley import attribute
+    from rla_lib.studies.shapley import attribute
 
     per_seq = _additive_game(np.random.default_rng(3))
     prompts = np.arange(300) // 2
@@ -104,7 +104,7 @@ def test_attribute_passes_clusters_and_reports_the_reduction_ci():
 
 
 def test_a_share_says_cannot_tell_where_the_reduction_may_be_zero_or_its_ci_spans_the_whole_range():
-    from rla_lib.shapley import share_is_readable
+    from rla_lib.studies.shapley import share_is_readable
 
     assert share_is_readable(0.69, 1.01, 0.23, 0.50)        # qwen3-tiny vs compiled: RoPE 83% [69%, 101%]
     assert not share_is_readable(-0.74, 0.92, 0.05, 1.00)   # qwen2-tiny vs compiled (fp32): [-74%, 92%] spans 166 points

@@ -1,8 +1,8 @@
-"""rla_lib.spread: the per-level verdicts come from the paired CIs (the measurement itself runs in notebook 07's test)."""
+"""rla_lib.studies.spread: the per-level verdicts come from the paired CIs (the measurement itself runs in notebook 07's test)."""
 
 import pytest
 
-from rla_lib import spread
+from rla_lib.studies import spread
 
 
 def row(stock_paper, paper_schedule, stock_schedule=(-0.5, -0.6, -0.4)):

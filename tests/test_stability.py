@@ -1,10 +1,10 @@
-"""Reading GRPO runs: verdicts computed from accuracies and their binomial noise (rla_lib.stability)."""
+"""Reading GRPO runs: verdicts computed from accuracies and their binomial noise (rla_lib.studies.stability)."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from rla_lib import stability
+from rla_lib.studies import stability
 
 
 def fake_history(accuracies):

@@ -10,7 +10,7 @@ the diff in code, for whatever engine version, backend and compile settings prod
     points_table(points); rounding_diff(points, "vllm:compiled"); kernel_table(g, points["vllm:compiled"])
     sched = schedule(points["vllm:compiled"])            # the rounding schedule (JSON: save_schedule)
     regions, options = schedule_to_align_kwargs(sched)   # -> rla_lib.align.align(model, regions, **options)
-    align_to_schedule(model, sched)
+    # rla_lib.engine_align.align_to_engine(model, sched) applies it (with the engine's attention numerics)
 
 `read_sides(model)` does this for vLLM compiled, vLLM eager, torch.compile of Transformers and stock
 Transformers at once; `python -m rla_lib.graphs capture MODEL {vllm|hf} {compiled|eager} DIR` makes a capture
@@ -57,7 +57,7 @@ _EXPORTS = {
     "aten": ("AtenTracer", "default_ids", "trace_forward", "training_graph"),
     "points": ("FINAL", "FINAL_POINTS", "LAYER_POINTS", "POINT_INFO", "Held", "Mixed", "Points", "Split"),
     "reader": ("AnalysisError", "read_points"),
-    "schedules": ("SCHEDULE_FORMAT", "align_to_schedule", "export_schedule", "load_schedule", "save_schedule",
+    "schedules": ("SCHEDULE_FORMAT", "export_schedule", "load_schedule", "save_schedule",
                  "schedule", "schedule_notes", "schedule_to_align_kwargs"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
     "captures": ("SIDES", "capture", "capture_dir", "engine_graph", "find_output_code", "merge_graphs", "parse_cache",

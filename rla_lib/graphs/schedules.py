@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..align import REGIONS, align
+from ..align import REGIONS
 from ..models import resolve_model
 from ..vector_sums import NORM_KINDS, rms_sum_spec
 from .graph import GRAPHS_DIR, GraphParseError, atomic_write_json
@@ -205,12 +205,6 @@ def schedule_to_align_kwargs(sched: dict):
 
 def schedule_notes(sched: dict) -> list[str]:
     return _align_mapping(_summary(sched), sched.get("has_qk_norm", True))[2]
-
-
-def align_to_schedule(model, sched: dict):
-    """Make a Transformers Qwen2/Qwen3 model round where the schedule says (rla_lib.align.align)."""
-    regions, options = schedule_to_align_kwargs(sched)
-    return align(model, regions, **options)
 
 
 def export_schedule(points: Points, model, side: str, directory=None) -> Path:

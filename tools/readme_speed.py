@@ -1,9 +1,9 @@
-"""The README's speed blocks (the turnaround issue's targets), rendered from the benchmarks' tables by `rla_lib.readme`:
+"""The README's speed blocks (the turnaround issue's targets), rendered from the benchmarks' tables by `tools.readme`:
 each target before and after, here and with this CPU capped to AVX2, and the verdict words computed from them."""
 
 from __future__ import annotations
 
-from .report import TABLES_DIR, load_table, md_table, pct, source, wall_seconds
+from rla_lib.report import TABLES_DIR, load_table, md_table, pct, source, wall_seconds
 
 
 def _on(row) -> str:

@@ -1,6 +1,6 @@
 """`make lab`: JupyterLab on the notebooks with the `rla` kernel, on a free local port, its URL printed once.
 
-    python -m rla_lib.lab [--port 8888] [notebook_dir] [-- extra jupyter lab arguments]
+    python -m tools.lab [--port 8888] [notebook_dir] [-- extra jupyter lab arguments]
 
 The server listens on 127.0.0.1 only. If the port is taken the next free one is used (and said so). The
 URL carries a token made here, so it can be printed plainly once the server answers, instead of being
@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .paths import ROOT
+from rla_lib.paths import ROOT
 
 KERNEL = "rla"
 HOST = "127.0.0.1"

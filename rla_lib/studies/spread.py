@@ -8,7 +8,7 @@ compiled code and eager trace) and measures the exact KL of stock Transformers, 
 and the read schedule against compiled and eager vLLM on the same prompts (`mismatch.STANDARD`).
 
     table = spread.measure(["qwen2-tiny"], levels=["avx512_bf16", "avx2"])
-    python -m rla_lib.spread qwen2-tiny --level avx2    # one level, prints the rows
+    python -m rla_lib.studies.spread qwen2-tiny --level avx2    # one level, prints the rows
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import graphs, machine, mismatch, sides
-from .align import REGIONS
-from .engine import bf16_linear
-from .models import concurrent_processes, side_by_side
-from .paths import RESULTS_DIR, atomic_write, slug
+from .. import graphs, machine, mismatch, sides
+from ..align import REGIONS
+from ..engine import bf16_linear
+from ..models import concurrent_processes, side_by_side
+from ..paths import RESULTS_DIR, atomic_write, slug
 
 MODES = ("compiled", "eager")
 PAPER = mismatch.config_name(REGIONS)
@@ -105,7 +105,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     def run(job, slot_env) -> pd.DataFrame:
         model, level, label, extra_env = job
         out = _worker_output(model, label)
-        cmd = [sys.executable, "-m", "rla_lib.spread", str(model), "--level", level, "--out", str(out),
+        cmd = [sys.executable, "-m", "rla_lib.studies.spread", str(model), "--level", level, "--out", str(out),
                "--params", json.dumps(params), "--threads", str(max(1, torch.get_num_threads() // processes))]
         env = (os.environ | machine.isa_environment(level) | extra_env | slot_env
                | ({"RLA_PROCESSES": "1"} if processes > 1 else {}))

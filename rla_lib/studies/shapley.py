@@ -16,7 +16,7 @@ from math import factorial
 import numpy as np
 import pandas as pd
 
-from . import kl
+from .. import kl
 
 
 def coalitions(players):

@@ -42,9 +42,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .align import REGIONS, aligned, current
-from .machine import has_fp32_matmul
-from .rounding import region_difference
+from ..align import REGIONS, aligned, current
+from ..machine import has_fp32_matmul
+from ..rounding import region_difference
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ def capture_prerounding(model, input_ids, attention_mask=None, *, layers: Iterab
         stock = seen[i]["output"]
         if out.dtype != stock.dtype or not torch.equal(out.view(torch.int16), stock.view(torch.int16)):
             raise RuntimeError(f"the replay of layer {i} differs from the stock layer: the modeling code is not the one "
-                               "rla_lib.prerounding was written against (transformers 5.19).")
+                               "rla_lib.studies.prerounding was written against (transformers 5.19).")
         for name in rec.fp32:
             if wanted_locs is None or name in wanted_locs:
                 fp32[name][i] = rec.fp32[name]

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from . import task
-from .models import load_model, load_tokenizer, resolve_model
+from .. import task
+from ..models import load_model, load_tokenizer, resolve_model
 from .prerounding import (LOCATION_BY_NAME, ROPE_LOCATIONS, capture_prerounding, capture_rope_at_positions,
                           positions_label, task_positions, uniform_positions)
-from .rounding import round_bf16, rounding_clustering
-from .scoring import pad_batch
+from ..rounding import round_bf16, rounding_clustering
+from ..scoring import pad_batch
 
 # A median within this band around the paper's lower bound for clustered locations is "borderline": the
 # measurement cannot say on which side it lies. Above it, "clustered (paper's range)".

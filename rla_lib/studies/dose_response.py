@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
+from ..grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
 from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms

@@ -31,13 +31,13 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
-from .attention import KERNELS as ATTENTION_KERNELS
-from .engine import Engine
-from .machine import has_fp32_matmul, machine_key, use_bf16_matmul
-from .models import resolve_model
-from .paths import RESULTS_DIR, ROOT, atomic_write
-from .scoring import head_logprobs, pad_batch
-from .task import load_split
+from ..attention import KERNELS as ATTENTION_KERNELS
+from ..engine import Engine
+from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
+from ..models import resolve_model
+from ..paths import RESULTS_DIR, ROOT, atomic_write
+from ..scoring import head_logprobs, pad_batch
+from ..task import load_split
 
 OP_CHECK_DIR = RESULTS_DIR / "op_check"
 LAYER_POINTS = ("input_norm", "q_proj", "k_proj", "v_proj", "attention", "o_proj", "post_norm", "gate_proj", "up_proj",
@@ -93,7 +93,7 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
                    TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        proc = subprocess.run([sys.executable, "-m", "rla_lib.op_check", str(spec.path), "--n", str(n), "--out", str(path)],
+        proc = subprocess.run([sys.executable, "-m", "rla_lib.studies.op_check", str(spec.path), "--n", str(n), "--out", str(path)],
                               env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -218,7 +218,7 @@ def attention_kernels(captures: dict, config) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="capture eager vLLM's values at every op (rla_lib.op_check)")
+    parser = argparse.ArgumentParser(description="capture eager vLLM's values at every op (rla_lib.studies.op_check)")
     parser.add_argument("model")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--out", required=True)

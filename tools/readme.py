@@ -1,7 +1,7 @@
 """The README's measured numbers, rendered from the committed result tables (`tables/`), never typed in.
 
-    python -m rla_lib.readme           # rewrite every block of README.md from tables/
-    python -m rla_lib.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
+    python -m tools.readme           # rewrite every block of README.md from tables/
+    python -m tools.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
 
 A block sits between `<!-- rla:begin NAME -->` and `<!-- rla:end NAME -->`; `BLOCKS[NAME]` renders it
 from tables and their provenance. Verdict words come from the numbers and their CIs.
@@ -15,16 +15,16 @@ import re
 import sys
 from pathlib import Path
 
-from . import dose_response, spread
-from .align import REGIONS
-from .kl import FEW_PROMPTS
-from .mismatch import config_name
-from .paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
-from .paths import MODELS_DIR, ROOT, atomic_write
-from .readme_speed import block_speed, block_suite_repeats, block_suite_time
-from .report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci, share_cell,
-                     source)
-from .shapley import share_is_readable
+from rla_lib.align import REGIONS
+from rla_lib.kl import FEW_PROMPTS
+from rla_lib.mismatch import config_name
+from rla_lib.paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
+from rla_lib.paths import MODELS_DIR, ROOT, atomic_write
+from rla_lib.report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci,
+                            share_cell, source)
+from rla_lib.studies import dose_response, spread
+from rla_lib.studies.shapley import share_is_readable
+from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
@@ -417,7 +417,7 @@ def render(text: str, blocks=BLOCKS) -> tuple[str, list[str]]:
     def one(m):
         name = m.group(2)
         if name not in blocks:
-            raise KeyError(f"README block {name!r} has no renderer in rla_lib.readme.BLOCKS ({', '.join(blocks)})")
+            raise KeyError(f"README block {name!r} has no renderer in tools.readme.BLOCKS ({', '.join(blocks)})")
         body = blocks[name]().strip() + "\n"
         if body != m.group(3):
             changed.append(name)
