@@ -25,7 +25,7 @@ The grid, for the embedded qwen3-tiny (16 prompts x 8 samples, 32 tokens, 2 mini
   mismatch could tip a run over)
 - lr 1e-3, 150 steps, seeds 0-2: default BF16, all three aligned, FP32 control
 
-The dose-response study (`grpo.dose_configurations`), lr 3e-4, 150 steps, every held-out prompt (512) every 25:
+The dose-response study (`arms.dose_configurations`), lr 3e-4, 150 steps, every held-out prompt (512) every 25:
 - "dose": qwen3-tiny on the short task, seeds 0-2: default BF16; rollout weights rounded to 3, 2, 1 mantissa
   bits; logit noise 0.1, 0.3, 1.0 in the engine's sampler; each with and without truncated importance sampling
   (cap 2); and the zero-mismatch arms: aligned to the engine's schedule, and FP32 (the settings search above
@@ -38,14 +38,17 @@ The dose-response study (`grpo.dose_configurations`), lr 3e-4, 150 steps, every 
 
 import argparse
 import datetime
+import fcntl
 import json
 import subprocess
 import traceback
+from pathlib import Path
 
 import pandas as pd
 
 from rla_lib import grpo
-from rla_lib.grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, claimed  # claimed: workers share one run list
+from rla_lib.studies import arms
+from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
 from rla_lib.studies.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
@@ -55,8 +58,8 @@ SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
 CONFIGS = ["default BF16", "all three", "FP32 control", "default BF16, 3-bit rollouts"]
 COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=32, eval_every=25, eval_prompts=256,
               checkpoint_every=25)
-DOSES = list(grpo.dose_configurations())
-NAMED = CONFIGURATIONS | grpo.dose_configurations()
+DOSES = list(arms.dose_configurations())
+NAMED = CONFIGURATIONS | arms.dose_configurations()
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
 GRID = [  # (tag, settings, seeds, configs)
     ("lr3e-4", dict(lr=3e-4, steps=300), (0, 1, 2), CONFIGS),
@@ -68,6 +71,21 @@ GRID = [  # (tag, settings, seeds, configs)
                         eval_prompts=256),
      (0,), DOSE_STEPS),
 ]
+
+
+def claimed(runs):
+    """The runs of `[(cfg, out_dir), ...]` this process takes, lazily: a run is skipped while another live process
+    holds its folder's lock (`claim.lock`, an flock, released when the next run is asked for or the process dies),
+    so any number of processes can share one list; a killed one's run is resumed by the next that reaches it."""
+    for cfg, out in runs:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "claim.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            yield cfg, out
 
 
 def planned_runs(only=None, seeds=None, configs=None):
@@ -88,7 +106,7 @@ def resolved(name: str, settings: dict) -> dict:
     """A run's GRPOConfig settings; the engine schedule's are read from the engine (cached), only when it runs."""
     if name != ENGINE_SCHEDULE:
         return settings
-    return settings | grpo.configuration(name, settings["model"], settings.get("engine_mode", "compiled"))
+    return settings | arms.configuration(name, settings["model"], settings.get("engine_mode", "compiled"))
 
 
 def grid() -> dict:
@@ -155,7 +173,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     todo = [] if args.collect_only else [
         (grpo.GRPOConfig(**resolved(labels["config"], settings)), OUT / run_id) for run_id, labels, settings in runs]
     failed = []
-    for i, (cfg, out, h) in enumerate(grpo.run_many(claimed(todo), progress=False, keep_going=True), 1):  # engines shared
+    for i, (cfg, out, h) in enumerate(arms.run_many(claimed(todo), progress=False, keep_going=True), 1):  # engines shared
         if isinstance(h, Exception):
             print(f"[{i}] {out.name}: FAILED: {''.join(traceback.format_exception(h))}", flush=True)
             failed.append(out.name)

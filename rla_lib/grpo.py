@@ -33,8 +33,6 @@ gives the same results as an uninterrupted run. Every file is written atomically
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import hashlib
 import json
 import random
 import time
@@ -46,19 +44,18 @@ import pandas as pd
 import torch
 
 from . import task
-from .align import REGIONS, align
+from .align import align
 from .engine import Engine
-from .engine_align import engine_schedule_for
-from .graphs import schedule_to_align_kwargs
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
-from .machine import machine, release_memory, use_fp32_row_blocks
+from .machine import machine, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
-from .paths import atomic_write, slug
+from .paths import atomic_write
 from .progress import bar
 from .rounding import round_mantissa
 from .scoring import log_softmax_at, pad_batch
 
 
+# ---- the configuration -----------------------------------------------------------------------
 @dataclass
 class GRPOConfig:
     model: str = "qwen3-tiny"
@@ -115,54 +112,6 @@ class GRPOConfig:
 # Memory a GRPO run needs: FP32 master weights 4 + AdamW state 8 + FP32 gradients 4 + BF16 copy and its gradients 4
 # + the engine's copy 2
 BYTES_PER_PARAMETER = 22
-
-# The configurations compared in notebook 06 and the settings search, by name.
-CONFIGURATIONS = {
-    "default BF16": dict(),
-    "rope": dict(regions=("rope",)),
-    "all three": dict(regions=REGIONS),
-    "FP32 control": dict(precision="fp32"),
-    "default BF16 + TIS": dict(tis_cap=2.0),
-    "default BF16, 3-bit rollouts": dict(rollout_mantissa_bits=3),  # a deliberately larger mismatch
-}
-ENGINE_SCHEDULE = "engine schedule"  # aligned to the engine's own rounding schedule, attention included
-
-# The dose axis of the mismatch study (issue 15): rollouts made deliberately worse in two unrelated ways while
-# the trained policy stays BF16. Coarser weights (BF16 keeps 7 mantissa bits; FP8 E4M3 keeps 3) perturb every
-# layer deterministically; logit noise perturbs only the sampler, at random. Each with and without TIS.
-ROLLOUT_BITS = (3, 2, 1)
-LOGIT_NOISE = (0.1, 0.3, 1.0)
-TIS = " + TIS"
-
-
-def dose_configurations(tis_cap: float = TIS_CAP) -> dict[str, dict]:
-    """The dose arms by name: default BF16, then each dose, each also with truncated importance sampling."""
-    arms = {"default BF16": {}}
-    arms |= {f"default BF16, {b}-bit rollouts": dict(rollout_mantissa_bits=b) for b in ROLLOUT_BITS}
-    arms |= {f"default BF16, logit noise {s:g}": dict(rollout_logit_noise=s) for s in LOGIT_NOISE}
-    return arms | {name + TIS: dict(settings, tis_cap=tis_cap) for name, settings in arms.items()}
-
-
-def configuration(name: str, model: str, engine_mode: str = "compiled") -> dict:
-    """GRPOConfig settings of a named configuration: one of `CONFIGURATIONS` or `dose_configurations()`, or
-    `ENGINE_SCHEDULE`, read for this model and engine mode on this machine (`rla_lib.engine_align.engine_schedule_for`:
-    kept, or read and probed)."""
-    if name == ENGINE_SCHEDULE:
-        regions, options = schedule_to_align_kwargs(engine_schedule_for(model, engine_mode))
-        return dict(regions=regions, align_options=options, engine_mode=engine_mode)
-    named = CONFIGURATIONS | dose_configurations()
-    if name not in named:
-        raise ValueError(f"unknown configuration {name!r}; choose from {[*named, ENGINE_SCHEDULE]}")
-    return named[name]
-
-
-def run_name(name: str, settings: dict) -> str:
-    """A run's folder name: the configuration's slug, plus a digest of the settings for `ENGINE_SCHEDULE`, whose
-    settings follow the engine (another schedule read later is another run, not a resume)."""
-    if name != ENGINE_SCHEDULE:
-        return slug(name)
-    digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=list).encode()).hexdigest()[:8]
-    return f"{slug(name)}-{digest}"
 
 
 # ---- the objective ---------------------------------------------------------------------------
@@ -244,7 +193,7 @@ class Policy:
         return grad_norm
 
 
-# ---- the loop ------------------------------------------------------------------------------
+# ---- one step ------------------------------------------------------------------------------
 def training_prompts(step: int, n: int, seed: int, exclude: set[str], task_name: str = "sums") -> list[task.Problem]:
     """Prompts for one step, a pure function of (seed, step) so a resumed run sees the same ones."""
     rng = random.Random(f"{seed}-{step}")
@@ -256,11 +205,107 @@ def training_prompts(step: int, n: int, seed: int, exclude: set[str], task_name:
     return out
 
 
-def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) -> None:
-    state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict(), history=history)
-    atomic_write(path, lambda p: torch.save(state, p))
+def rollout(cfg, step: int, engine, exclude) -> tuple[list, np.ndarray]:
+    """The step's samples (`group_size` per training prompt, seeded by step) and their 0/1 rewards."""
+    problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude, cfg.task)
+    groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
+                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False,
+                           logit_noise=cfg.rollout_logit_noise, full=engine.spec.small_vocab)
+    samples = [s for g in groups for s in g]
+    return samples, np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
 
 
+def response_batch(samples):
+    """(ids, attention mask, response mask over positions t -> token t+1, the engine's logprobs there)."""
+    ids, attn = pad_batch([s.ids for s in samples])
+    resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    inf_lp = torch.zeros_like(resp)
+    for i, s in enumerate(samples):
+        response = slice(s.response_start, len(s.ids) - 1)
+        resp[i, response] = 1
+        inf_lp[i, response] = torch.from_numpy(s.logprobs)
+    return ids, attn, resp, inf_lp
+
+
+def minibatch_rows(cfg, step: int, n: int) -> list[torch.Tensor]:
+    """The rows of each minibatch: a shuffle of the n samples, a pure function of (seed, step)."""
+    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(n)
+    return [torch.from_numpy(mb) for mb in np.array_split(order, cfg.minibatches)]
+
+
+def score_rows(policy, ids, attn, rows, old_lp, entropy, old_full=None) -> None:
+    """Fill old_lp and entropy (and old_full, the whole distributions, if given) at `rows` (no grad), cut to
+    those rows' longest sequence.
+
+    Each row's logprobs depend on neither the other rows nor the padding after it (right padding,
+    causal attention), bit for bit: tests/test_grpo_speed.py checks it. Entries past the cut stay 0;
+    they are padding, masked everywhere they are used.
+    """
+    if len(rows) == 0:
+        return
+    width = int(attn[rows].sum(1).max())
+    with torch.no_grad():
+        lp, ent, *full = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False, full=old_full is not None)
+    old_lp[rows, : width - 1], entropy[rows, : width - 1] = lp, ent
+    if old_full is not None:
+        old_full[rows, : width - 1] = full[0]
+
+
+def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+    t0 = time.perf_counter()
+    samples, rewards = rollout(cfg, step, engine, exclude)
+    t_rollout = time.perf_counter()
+
+    # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
+    # The first minibatch's are those of its own update forward (no update has happened yet: the same
+    # bits as a no-grad pass, tested), so only the later minibatches' rows get a no-grad pass here.
+    ids, attn, resp, inf_lp = response_batch(samples)
+    minibatches = minibatch_rows(cfg, step, len(samples))
+    old_lp, entropy = torch.zeros_like(resp), torch.zeros_like(resp)
+    exact = samples[0].full is not None  # whole distributions on both sides: the exact KL (small vocabularies)
+    old_full = torch.zeros(*resp.shape, samples[0].full.shape[1]) if exact else None
+    score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy, old_full)
+    lengths = resp.sum(1).long()
+    t_score = time.perf_counter()
+
+    adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
+    grad_norms, clip_fracs = [], []
+    for i, mb in enumerate(minibatches):
+        new_lp, new_entropy, *full = policy.logprobs(ids[mb], attn[mb], grad=True, full=exact)
+        if i == 0:
+            old_lp[mb], entropy[mb] = new_lp.detach(), new_entropy
+            if exact:
+                old_full[mb] = full[0]
+        tis = torch.clamp(torch.exp(old_lp[mb] - inf_lp[mb]), max=cfg.tis_cap) if cfg.tis_cap else None
+        loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, tis)
+        grad_norms.append(policy.step(loss))
+        clip_fracs.append(clip_frac)
+    train_lp = [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))]
+    monitor.update(step, [s.logprobs for s in samples], train_lp)
+    per_sequence = mismatch_summary([s.logprobs for s in samples], train_lp, *(
+        ([s.full for s in samples], [old_full[i][resp[i] > 0].numpy() for i in range(len(samples))]) if exact else ()),
+        tis_cap=cfg.tis_cap or TIS_CAP)
+    t_update = time.perf_counter()
+    engine.load_weights(policy.rollout_weights())
+    t_sync = time.perf_counter()
+
+    m = monitor.rows[-1]
+    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
+               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
+               exact_kl=per_sequence.get("exact_kl", np.nan) / UNIT, seq_k3=per_sequence["k3_per_sequence"],
+               seq_exact_kl=per_sequence.get("exact_kl_per_sequence", np.nan), tis_weight=per_sequence["tis_weight_mean"],
+               seq_is_above_cap=per_sequence["seq_is_ratio_above_cap"],
+               entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
+               clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
+               padded_tokens=ids.numel(), real_tokens=int(attn.sum()),
+               t_rollout=t_rollout - t0, t_score=t_score - t_rollout, t_update=t_update - t_score, t_sync=t_sync - t_update,
+               eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)
+    if step % cfg.eval_every == 0:
+        row.update(evaluate_run(cfg, policy, engine, eval_split))
+    return row
+
+
+# ---- held-out accuracy, checkpoints ----------------------------------------------------------
 def evaluate(engine, problems, seed: int, max_tokens: int) -> float:
     groups = engine.sample([p.prompt for p in problems], n=1, max_tokens=max_tokens, temperature=1.0, seed=seed,
                            progress=False)  # the step bar of `run` is the progress
@@ -288,6 +333,11 @@ def evaluate_run(cfg: GRPOConfig, policy: Policy, engine, eval_split) -> dict:
     return dict(eval_accuracy=engine_acc, eval_accuracy_policy=policy_acc)
 
 
+def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) -> None:
+    state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict(), history=history)
+    atomic_write(path, lambda p: torch.save(state, p))
+
+
 def record_machine(path: Path) -> None:
     """Append this start's machine to the run's list: a run resumed elsewhere says so (BF16 kernels differ by CPU)."""
     starts = json.loads(path.read_text()) if path.exists() else []
@@ -295,6 +345,7 @@ def record_machine(path: Path) -> None:
     atomic_write(path, lambda p: p.write_text(json.dumps(starts, indent=1)))
 
 
+# ---- the loop ------------------------------------------------------------------------------
 def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = None) -> pd.DataFrame:
     """Train, log, checkpoint; resume from `out_dir/checkpoint.pt` if it exists. Returns the history.
 
@@ -352,147 +403,3 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
         if own_engine:
             engine.close()
     return pd.DataFrame(history)
-
-
-def run_many(runs, progress: bool | None = None, keep_going: bool = False):
-    """Run `[(cfg, out_dir), ...]` in order, one engine per (model, mode, dtype) shared by the runs that need it.
-
-    Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end. keep_going=True: a run
-    that fails yields the exception in place of its history and the next run starts (its checkpoint is kept; the
-    failed engine is replaced), so one bad run does not stop a sweep.
-    """
-    engines = {}
-    try:
-        for cfg, out_dir in runs:
-            key = (cfg.model, cfg.engine_mode, cfg.engine_dtype)
-            try:
-                if key not in engines:
-                    engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
-                release_memory()  # the previous run's weights and optimizer state
-                history = run(cfg, out_dir, engine=engines[key], progress=progress)
-            except Exception as error:
-                if not keep_going:
-                    raise
-                engine = engines.pop(key, None)
-                if engine is not None:
-                    engine.close()
-                history = error
-            yield cfg, out_dir, history
-    finally:
-        for engine in engines.values():
-            engine.close()
-
-
-def claimed(runs):
-    """The runs of `[(cfg, out_dir), ...]` this process takes, lazily: a run is skipped while another live process
-    holds its folder's lock (`claim.lock`, an flock, released when the next run is asked for or the process dies),
-    so any number of processes can share one list; a killed one's run is resumed by the next that reaches it."""
-    for cfg, out in runs:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "claim.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            yield cfg, out
-
-
-def minibatch_rows(cfg, step: int, n: int) -> list[torch.Tensor]:
-    """The rows of each minibatch: a shuffle of the n samples, a pure function of (seed, step)."""
-    order = np.random.default_rng(cfg.seed * 7919 + step).permutation(n)
-    return [torch.from_numpy(mb) for mb in np.array_split(order, cfg.minibatches)]
-
-
-def score_rows(policy, ids, attn, rows, old_lp, entropy, old_full=None) -> None:
-    """Fill old_lp and entropy (and old_full, the whole distributions, if given) at `rows` (no grad), cut to
-    those rows' longest sequence.
-
-    Each row's logprobs depend on neither the other rows nor the padding after it (right padding,
-    causal attention), bit for bit: tests/test_grpo_speed.py checks it. Entries past the cut stay 0;
-    they are padding, masked everywhere they are used.
-    """
-    if len(rows) == 0:
-        return
-    width = int(attn[rows].sum(1).max())
-    with torch.no_grad():
-        lp, ent, *full = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False, full=old_full is not None)
-    old_lp[rows, : width - 1], entropy[rows, : width - 1] = lp, ent
-    if old_full is not None:
-        old_full[rows, : width - 1] = full[0]
-
-
-def rollout(cfg, step: int, engine, exclude) -> tuple[list, np.ndarray]:
-    """The step's samples (`group_size` per training prompt, seeded by step) and their 0/1 rewards."""
-    problems = training_prompts(step, cfg.prompts_per_step, cfg.seed, exclude, cfg.task)
-    groups = engine.sample([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                           temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step * 1009, progress=False,
-                           logit_noise=cfg.rollout_logit_noise, full=engine.spec.small_vocab)
-    samples = [s for g in groups for s in g]
-    return samples, np.array([task.reward(p, s.text) for p, g in zip(problems, groups) for s in g])
-
-
-def response_batch(samples):
-    """(ids, attention mask, response mask over positions t -> token t+1, the engine's logprobs there)."""
-    ids, attn = pad_batch([s.ids for s in samples])
-    resp = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    inf_lp = torch.zeros_like(resp)
-    for i, s in enumerate(samples):
-        response = slice(s.response_start, len(s.ids) - 1)
-        resp[i, response] = 1
-        inf_lp[i, response] = torch.from_numpy(s.logprobs)
-    return ids, attn, resp, inf_lp
-
-
-def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
-    t0 = time.perf_counter()
-    samples, rewards = rollout(cfg, step, engine, exclude)
-    t_rollout = time.perf_counter()
-
-    # Old logprobs from the training side; response tokens only (mask over positions t -> token t+1).
-    # The first minibatch's are those of its own update forward (no update has happened yet: the same
-    # bits as a no-grad pass, tested), so only the later minibatches' rows get a no-grad pass here.
-    ids, attn, resp, inf_lp = response_batch(samples)
-    minibatches = minibatch_rows(cfg, step, len(samples))
-    old_lp, entropy = torch.zeros_like(resp), torch.zeros_like(resp)
-    exact = samples[0].full is not None  # whole distributions on both sides: the exact KL (small vocabularies)
-    old_full = torch.zeros(*resp.shape, samples[0].full.shape[1]) if exact else None
-    score_rows(policy, ids, attn, torch.cat(minibatches)[len(minibatches[0]) :], old_lp, entropy, old_full)
-    lengths = resp.sum(1).long()
-    t_score = time.perf_counter()
-
-    adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
-    grad_norms, clip_fracs = [], []
-    for i, mb in enumerate(minibatches):
-        new_lp, new_entropy, *full = policy.logprobs(ids[mb], attn[mb], grad=True, full=exact)
-        if i == 0:
-            old_lp[mb], entropy[mb] = new_lp.detach(), new_entropy
-            if exact:
-                old_full[mb] = full[0]
-        tis = torch.clamp(torch.exp(old_lp[mb] - inf_lp[mb]), max=cfg.tis_cap) if cfg.tis_cap else None
-        loss, clip_frac = clipped_loss(new_lp, old_lp[mb], adv[mb], resp[mb], cfg.clip, tis)
-        grad_norms.append(policy.step(loss))
-        clip_fracs.append(clip_frac)
-    train_lp = [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))]
-    monitor.update(step, [s.logprobs for s in samples], train_lp)
-    per_sequence = mismatch_summary([s.logprobs for s in samples], train_lp, *(
-        ([s.full for s in samples], [old_full[i][resp[i] > 0].numpy() for i in range(len(samples))]) if exact else ()),
-        tis_cap=cfg.tis_cap or TIS_CAP)
-    t_update = time.perf_counter()
-    engine.load_weights(policy.rollout_weights())
-    t_sync = time.perf_counter()
-
-    m = monitor.rows[-1]
-    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
-               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
-               exact_kl=per_sequence.get("exact_kl", np.nan) / UNIT, seq_k3=per_sequence["k3_per_sequence"],
-               seq_exact_kl=per_sequence.get("exact_kl_per_sequence", np.nan), tis_weight=per_sequence["tis_weight_mean"],
-               seq_is_above_cap=per_sequence["seq_is_ratio_above_cap"],
-               entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
-               clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
-               padded_tokens=ids.numel(), real_tokens=int(attn.sum()),
-               t_rollout=t_rollout - t0, t_score=t_score - t_rollout, t_update=t_update - t_score, t_sync=t_sync - t_update,
-               eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)
-    if step % cfg.eval_every == 0:
-        row.update(evaluate_run(cfg, policy, engine, eval_split))
-    return row

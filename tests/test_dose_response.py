@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from rla_lib.studies import dose_response as dr
-from rla_lib.grpo import ENGINE_SCHEDULE
+from rla_lib.studies.arms import ENGINE_SCHEDULE
 
 
 def test_arms_are_read_from_their_names():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rla_lib import grpo
-from rla_lib.studies import stability
+from rla_lib.studies import arms, stability
 from rla_lib.models import load_model
 
 
@@ -174,9 +174,9 @@ def test_weight_sync_matches_fp32_training_side(tmp_path):
 
 
 def test_run_names_keep_plain_configurations_and_key_the_engine_schedule():
-    assert grpo.run_name("default BF16 + TIS", {}) == "default_BF16_plus_TIS"
-    a = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "fp32"}))
-    b = grpo.run_name(grpo.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "flash"}))
+    assert arms.run_name("default BF16 + TIS", {}) == "default_BF16_plus_TIS"
+    a = arms.run_name(arms.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "fp32"}))
+    b = arms.run_name(arms.ENGINE_SCHEDULE, dict(regions=("rope",), align_options={"attention": "flash"}))
     assert a.startswith("engine_schedule-") and a != b
 
 
@@ -226,9 +226,9 @@ def test_run_many_keeps_going_past_a_failed_run(compiled_engine, tmp_path, monke
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"lr": 1.0}))
     try:
-        out = list(grpo.run_many([(cfg, tmp_path / "bad"), (cfg, tmp_path / "good")], progress=False, keep_going=True))
+        out = list(arms.run_many([(cfg, tmp_path / "bad"), (cfg, tmp_path / "good")], progress=False, keep_going=True))
         with pytest.raises(ValueError, match="different settings"):
-            list(grpo.run_many([(cfg, tmp_path / "bad")], progress=False))
+            list(arms.run_many([(cfg, tmp_path / "bad")], progress=False))
     finally:
         compiled_engine.load_weights(load_model("qwen3-tiny"))
     assert isinstance(out[0][2], ValueError) and "different settings" in str(out[0][2])

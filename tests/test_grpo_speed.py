@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rla_lib import grpo, machine, task
+from rla_lib.studies import arms
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.scoring import pad_batch
 
@@ -38,7 +39,7 @@ def some_sequences(n: int, seed: int = 0) -> list[list[int]]:
                                                    ("default BF16", "fp32")])
 def test_row_logprobs_ignore_other_rows_and_padding(configuration, matmul, monkeypatch):
     monkeypatch.setenv("RLA_BF16_MATMUL", matmul)
-    policy = grpo.Policy(grpo.GRPOConfig(**grpo.CONFIGURATIONS[configuration]))
+    policy = grpo.Policy(grpo.GRPOConfig(**arms.CONFIGURATIONS[configuration]))
     ids, attn = pad_batch(some_sequences(24))
     real = attn[:, 1:] > 0
     with torch.no_grad():

@@ -5,7 +5,7 @@
     fit = threshold(runs[~runs.tis])            # where accuracy starts to fall, with a bootstrap CI
     dose_verdict(runs, fits, references)        # the sentences, computed from the numbers
 
-The dose is applied on the rollout side only (`grpo.dose_configurations`: coarser rollout weights, or logit
+The dose is applied on the rollout side only (`arms.dose_configurations`: coarser rollout weights, or logit
 noise in the engine's sampler); the trained policy stays BF16. The x axis is what the run *measured*, not the
 knob: the mismatch per response, the exact KL(inference || training) summed over each response's tokens and
 averaged over the run's steps (`seq_exact_kl`, nats; `seq_k3` is the k3 estimate of the same sum). Per-response,
@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..grpo import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
+from .arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
 from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
