@@ -99,7 +99,9 @@ def save_repeats(condition: str, runs: list[dict[str, str]], commit: str) -> pd.
         if mine:
             earlier = old[["test"] + mine].dropna(subset=[f"{condition}: runs"])
             commits = str(earlier[f"{condition}: commit"].iloc[0]).split() + commits
-            merged = earlier.merge(new, on="test", how="outer", suffixes=("", " new")).fillna(0)
+            merged = earlier.merge(new, on="test", how="outer", suffixes=("", " new"))
+            counts = [c for c in merged.columns if c.split(": ")[-1].removesuffix(" new") in ["runs", *columns]]
+            merged[counts] = merged[counts].fillna(0)
             for name in ["runs", *columns]:
                 merged[f"{condition}: {name}"] = merged[f"{condition}: {name}"] + merged[f"{condition}: {name} new"]
             new = merged[["test"] + [f"{condition}: {n}" for n in ["runs", *columns]]]

@@ -30,6 +30,9 @@ The defaults are the paper's; an option of a region that is not enabled is accep
   `cos_sin_cache`), then used in FP32 math. The paper does not say which; `"fp32"` is this project's reading.
 - `rope_qk_norm`: `"fp32"` (default) or `"stock"`: Q/K norm as in Transformers (rounding twice), only
   the rotary part in FP32. Ignored on Qwen2.
+- `rope_rounding`: `"nearest"` (default) or `"truncate"`: the rotated Q and K rounded to BF16 toward zero (low bits
+  dropped), as vLLM-CPU's eager rotary kernel converts without AVX512-BF16 (its `_C_AVX512` and `_C_AVX2` builds);
+  the gradient is the same as for rounding to nearest.
 - `norm_weight`: `"stock"` (default): the residual-stream norms round the normalised value before the
   weight multiply, as Transformers does; or `"fp32"`: the weight multiply is done in FP32 and the norm
   output is rounded once (compiled vLLM on CPU). Applies to every residual-stream norm, layer 0's
@@ -90,7 +93,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from .align_versions import Release, supported_release
-from .attention import KERNELS as ATTENTION_KERNELS
+from .attention import KERNELS as ATTENTION_KERNELS, truncate_to_bf16
 from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum, straight_through
 
 
@@ -107,6 +110,7 @@ class AlignOptions:
 
     rope_cos_sin: str = "fp32"
     rope_qk_norm: str = "fp32"
+    rope_rounding: str = "nearest"
     norm_weight: str = "stock"
     residual_stream: str = "bf16"
     fused: bool = False
@@ -116,6 +120,7 @@ class AlignOptions:
     CHOICES = {
         "rope_cos_sin": ("fp32", "bf16"),
         "rope_qk_norm": ("fp32", "stock"),
+        "rope_rounding": ("nearest", "truncate"),
         "norm_weight": ("stock", "fp32"),
         "residual_stream": ("bf16", "fp32"),
         "fused": (False, True),
@@ -241,10 +246,18 @@ def _residual_add(residual: torch.Tensor, update: torch.Tensor, stream: str) -> 
 # --------------------------------------------------------------------------------------------------
 
 
-def _rotary_fp32(apply_rotary_pos_emb, query, key, cos, sin, dtype):
-    """The stock rotary formula on FP32 operands, rounded once."""
+def _rotary_fp32(apply_rotary_pos_emb, query, key, cos, sin, dtype, truncate=False):
+    """The stock rotary formula on FP32 operands, rounded once (to nearest, or toward zero with `truncate`)."""
     query, key = apply_rotary_pos_emb(query.float(), key.float(), cos.float(), sin.float())
+    if truncate and dtype == torch.bfloat16:
+        return _truncated(query), _truncated(key)
     return query.to(dtype), key.to(dtype)
+
+
+def _truncated(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to BF16 toward zero; its gradient that of `.to(torch.bfloat16)`."""
+    nearest = x.to(torch.bfloat16)
+    return nearest + (truncate_to_bf16(x.detach()) - nearest).detach()
 
 
 def _swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -339,7 +352,8 @@ def _attention_forward(
     if rope:  # Rotary in FP32 (cos/sin are FP32 already unless rope_cos_sin="bf16"), one rounding of Q and K.
         rotary = _compiled(_rotary_fp32) if options.fused else _rotary_fp32
         query_states, key_states = rotary(
-            modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype
+            modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype,
+            options.rope_rounding == "truncate",
         )
     else:
         query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)

@@ -11,7 +11,7 @@ output once. The kernels here have the signature of Transformers' attention func
   exp(s - max)·V unnormalised, divided by the row sum at the end (as online-softmax kernels do), rounded once.
 - `p_bf16_attention`: the same, with P rounded to the model dtype before P·V.
 - `eager_attention`: Transformers' eager attention (the model family's `eager_attention_forward`).
-- `vllm_cpu_attention`: vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`, AVX-512 "vec" ISA,
+- `vllm_cpu_attention`: vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`, AVX-512 build of the "vec" ISA,
   csrc/cpu/cpu_attn_impl.hpp and cpu_attn_vec.hpp) operation for operation: q·kᵀ as sequential fused
   multiply-adds over the head dimension, the kernel's polynomial exp (cpu_attn_macros.h), the row sum in 16
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
@@ -19,6 +19,14 @@ output once. The kernels here have the signature of Transformers' attention func
   per-op check and tests/test_engine_align.py); its backward is that of torch's fused SDPA kernel in the model
   dtype (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`)
   where a C compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, slower).
+- `vllm_cpu_avx512_attention`, `vllm_cpu_avx2_attention`: the same kernel as vLLM-CPU's other x86 builds run it
+  (`VLLM_CPU_BUILDS`). Without AVX512-BF16 the output is truncated to BF16, not rounded (`_C_AVX512`); the AVX2
+  build (`_C_AVX2`, compiled without FMA) also rounds each product before its add, takes the C library's expf
+  (`std::exp`) and sums the 16 lanes as two 8-lane halves in order (in C only: glibc's expf has no torch equivalent).
+  Each bitwise equal to its engine's attention output (capped Intel Xeon, tests/test_op_check.py).
+- `vllm_cpu_amx_attention`: vLLM-CPU's AMX kernel (`_C` on CPUs with AMX tiles): the vector kernel's softmax, q·kᵀ
+  on BF16 q with the scale applied to the logits, P rounded to BF16 before P·V, each AMX tile instruction's products
+  summed as its hardware does (native_kernels.c); in C only. Bitwise equal to its engine's output (Intel Xeon).
 
 Each reads the mask Transformers built for the model's `attn_implementation` and adds it as eager
 attention does (see `additive_mask`); sliding windows and padding are in that mask. The engine has no
@@ -187,24 +195,51 @@ def _fma_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torc
     return acc
 
 
-def _vllm_cpu_forward(query, key, value, attended, scaling, weights=False):
-    """The kernel's forward on (B, H, T, D) q and (B, KV, S, D) k/v in the model dtype; `attended` (B, 1|H, T, S).
-    Returns the output (rows that attend to nothing: NaN), each row's log-sum-exp of its scores (+inf where it attends
-    to nothing) and, with `weights`, the normalised FP32 P (else None). In C where it compiles (`rla_lib.native`),
-    else as loops of torch ops: the same bits (the log-sum-exp, which only the backward reads, within an ulp)."""
-    q = query.float() * scaling  # the kernel scales q in FP32 while copying it to its buffer
+# vLLM-CPU's x86 attention kernels, by the library it loads (vllm/platforms/cpu.py) and, in `_C` on CPUs with AMX, its
+# AMX kernel (cpu_attn_amx.hpp), and the numerics reproducing each. `_C` (AVX512-BF16) rounds the output to BF16 to nearest (`_mm512_cvtneps_pbh`); without
+# AVX512-BF16, `_C_AVX512` and `_C_AVX2` drop the low 16 bits instead (csrc/cpu/cpu_types_x86.hpp, BF16Vec16 from
+# FP32Vec16). `_C_AVX2` also has its own loops (rla_lib/native_kernels.c, lane_sum).
+VLLM_CPU_BUILDS = {"amx": "vllm_cpu_amx", "avx512_bf16": "vllm_cpu", "avx512": "vllm_cpu_avx512",
+                   "avx2": "vllm_cpu_avx2"}
+ROUNDS_TO_NEAREST = ("amx", "avx512_bf16")  # the kernels of `_C`, built with AVX512-BF16
+
+
+def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """FP32 to BF16 by dropping the low 16 bits (round toward zero), as vLLM-CPU converts without AVX512-BF16."""
+    return (x.float().contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def _to_model_dtype(out: torch.Tensor, dtype: torch.dtype, build: str) -> torch.Tensor:
+    if dtype == torch.bfloat16 and build not in ROUNDS_TO_NEAREST:
+        return truncate_to_bf16(out)
+    return out.to(dtype)
+
+
+def _vllm_cpu_forward(query, key, value, attended, scaling, weights=False, build="avx512_bf16"):
+    """The kernel's forward on (B, H, T, D) q and (B, KV, S, D) k/v in the model dtype; `attended` (B, 1|H, T, S);
+    `build` one of `VLLM_CPU_BUILDS`. Returns the output (rows that attend to nothing: NaN), each row's log-sum-exp of
+    its scores (+inf where it attends to nothing) and, with `weights`, the normalised FP32 P (else None). In C where it
+    compiles (`rla_lib.native`), else as loops of torch ops: the same bits (the log-sum-exp, which only the backward
+    reads, within an ulp); the AVX2 build's loops in C only."""
+    loops = build if build in ("avx2", "amx") else "avx512"
     if native.library() is not None:
-        out, logsumexp, p = native.vllm_cpu_attention(q, key.float(), value.float(), attended, weights)
-        return out.to(query.dtype), logsumexp, p
+        out, logsumexp, p = native.vllm_cpu_attention(query.float(), key.float(), value.float(), attended, scaling,
+                                                      weights, loops)
+        return _to_model_dtype(out, query.dtype, build), logsumexp, p
+    q = query.float() * scaling  # the vector kernel scales q in FP32 while copying it to its buffer
+    if loops != "avx512":
+        raise RuntimeError(f"attention='{VLLM_CPU_BUILDS[build]}' runs in C only (rla_lib/native_kernels.c, built by the "
+                           "system C compiler, which failed or is missing: see the warning above); the torch-op loops "
+                           "are the AVX-512 kernel's. Install a C compiler (e.g. gcc) and run again.")
     groups = query.shape[1] // key.shape[1]
     # The row sum's 16 lanes count from the sequence's first position (its first slot in the KV cache)
     start = attended.flatten(1, 2).any(1).int().argmax(-1)  # (B,): first position any query attends to
     out, logsumexp, p = _vllm_cpu_forward_torch(q, repeat_kv(key, groups).float(), repeat_kv(value, groups).float(),
-                                                attended, start, query.dtype)
-    return out, logsumexp, p if weights else None
+                                                attended, start)
+    return _to_model_dtype(out, query.dtype, build), logsumexp, p if weights else None
 
 
-def _vllm_cpu_forward_torch(q, key, value, attended, start, dtype):
+def _vllm_cpu_forward_torch(q, key, value, attended, start):
     key_rows = key.transpose(-1, -2).contiguous()  # (B, H, D, S)
     scores = torch.zeros(q.shape[:-1] + (key.shape[-2],), dtype=torch.float32)
     # q·kᵀ: one fused multiply-add per head dimension, in order
@@ -227,7 +262,7 @@ def _vllm_cpu_forward_torch(q, key, value, attended, start, dtype):
     # P·V: one fused multiply-add per key, in order
     out = _fma_accumulate(out, p.movedim(-1, 0)[..., None], value.movedim(-2, 0)[..., None, :])
     logsumexp = torch.where(row_sum > 0, row_max[..., 0] + row_sum.log(), float("inf"))
-    return (inverse_sum * out).to(dtype), logsumexp, p * inverse_sum
+    return inverse_sum * out, logsumexp, p * inverse_sum
 
 
 class _SdpaBackward(torch.autograd.Function):
@@ -251,7 +286,7 @@ class _SdpaBackward(torch.autograd.Function):
 
 def vllm_cpu_attention(
     module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, is_causal=None,
-    weights: bool = False, **kwargs
+    weights: bool = False, build: str = "avx512_bf16", **kwargs
 ):
     """vLLM's CPU attention kernel bit for bit in the forward (see the module docstring); the backward is that of
     torch's fused SDPA kernel in the model dtype, at this output. Query rows that attend to nothing (left padding; no
@@ -265,12 +300,13 @@ def vllm_cpu_attention(
     attended = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mask is None else mask == 0
     attended = attended.expand(query.shape[0], -1, query.shape[2], key.shape[2])
     with torch.no_grad():
-        out, logsumexp, p = _vllm_cpu_forward(query, key, value, attended, scaling, weights)
+        out, logsumexp, p = _vllm_cpu_forward(query, key, value, attended, scaling, weights, build)
         # Rows that attend to nothing (left padding; no engine computes them): what the other kernels give there, the
         # mean of all values (every score equally masked), and no gradient (their log-sum-exp is +inf).
         empty = ~attended.any(-1, keepdim=True)
         if empty.any():
-            mean = repeat_kv(value.float().mean(-2, keepdim=True), module.num_key_value_groups).to(query.dtype)
+            mean = repeat_kv(value.float().mean(-2, keepdim=True), module.num_key_value_groups)
+            mean = _to_model_dtype(mean, query.dtype, build)  # converted as this build converts its output
             out = torch.where(empty, mean, out)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         groups = module.num_key_value_groups
@@ -282,5 +318,29 @@ def vllm_cpu_attention(
     return out.transpose(1, 2).contiguous(), p
 
 
+def vllm_cpu_amx_attention(module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                           is_causal=None, weights: bool = False, **kwargs):
+    """vLLM-CPU's AMX attention kernel (`_C` on CPUs with AMX tiles): the AVX-512 kernel's softmax, q·kᵀ on BF16 q
+    with the scale applied to the logits, and P rounded to BF16 before P·V (the row sum adds the FP32 values)."""
+    return vllm_cpu_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, weights, "amx")
+
+
+def vllm_cpu_avx512_attention(module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                              is_causal=None, weights: bool = False, **kwargs):
+    """vLLM-CPU's vector attention as its AVX-512 build without BF16 instructions computes it (`_C_AVX512`): the loops
+    of `vllm_cpu_attention`, the output truncated to BF16."""
+    return vllm_cpu_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, weights, "avx512")
+
+
+def vllm_cpu_avx2_attention(module: nn.Module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                            is_causal=None, weights: bool = False, **kwargs):
+    """vLLM-CPU's vector attention as its AVX2 build computes it (`_C_AVX2`, compiled without FMA): each product
+    rounded before its add, the C library's expf, the 16-lane row sum as two 8-lane halves summed in order, the output
+    truncated to BF16."""
+    return vllm_cpu_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, weights, "avx2")
+
+
 KERNELS = {"fp32": fp32_attention, "flash": flash_attention, "p_bf16": p_bf16_attention, "eager": eager_attention,
-           "vllm_cpu": vllm_cpu_attention}
+           "vllm_cpu": vllm_cpu_attention, "vllm_cpu_amx": vllm_cpu_amx_attention,
+           "vllm_cpu_avx512": vllm_cpu_avx512_attention,
+           "vllm_cpu_avx2": vllm_cpu_avx2_attention}

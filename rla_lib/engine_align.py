@@ -25,7 +25,7 @@ from . import kl, sides, task
 from .align import ALL_REGIONS, AlignOptions, align
 from .engine import Engine
 from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
-from .machine import machine_key
+from .machine import machine_key, vllm_cpu_attention_kernel
 from .models import load_model, resolve_model
 from .scoring import token_logprobs
 
@@ -70,6 +70,17 @@ def with_attention(sched: dict, numerics: str, **evidence) -> dict:
     return sched | {"attention": {"numerics": numerics, **evidence}}
 
 
+def with_rope_rounding(sched: dict, mode: str) -> dict:
+    """The schedule with how the engine's rotary embedding rounds the rotated Q and K, where it is not to nearest:
+    eager vLLM-CPU calls its C++ rotary kernel (csrc/cpu/pos_encoding.cpp), which converts its FP32 result to BF16
+    toward zero in the builds without AVX512-BF16 (`machine.vllm_cpu_attention_kernel()` "avx512" or "avx2"); compiled,
+    the rotary is inductor's code, which rounds to nearest, as CUDA kernels do."""
+    build = vllm_cpu_attention_kernel()
+    if mode != "eager" or torch.cuda.is_available() or build not in ("avx512", "avx2"):
+        return sched
+    return sched | {"rope_rounding": {"rounding": "truncate", "how": f"vLLM-CPU's {build} build, eager rotary kernel"}}
+
+
 def vllm_cos_sin_cache(config) -> torch.Tensor:
     """vLLM's rotary cos/sin cache for a Qwen config, as its RotaryEmbedding builds it: FP32 frequencies and
     angles, cos and sin concatenated, rounded once to BF16 (max_position_embeddings x head_dim)."""
@@ -94,7 +105,7 @@ def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences:
     model and mode on this machine), plus its attention numerics probed against `model` (default: loaded here)."""
     side = sides.engine(engine.mode)
     points, _ = read_sides(engine.spec.path, (side,), force=force, progress=False)
-    sched = schedule(points[side], side)
+    sched = with_rope_rounding(schedule(points[side], side), engine.mode)
     if probe:
         model = load_model(engine.spec.path, dtype=engine.dtype) if model is None else model
         regions, options = schedule_to_align_kwargs(sched)

@@ -171,13 +171,16 @@ def engine_core_environment(slot: int) -> dict[str, str]:
 
 
 def vllm_cpu_attention_kernel() -> str:
-    """Which of vLLM-CPU's attention kernels a BF16 engine started from this process runs (its x86 choice in
-    v1/attention/backends/cpu_attn.py `_get_attn_isa`, for 128-token KV blocks): "amx" (AMX tiles), "avx512" (the
-    AVX-512 vector kernel, its polynomial exp: what `attention="vllm_cpu"` reproduces) or "avx2" (`std::exp`, 8 lanes).
-    A capped process answers as its level (`child_site`)."""
+    """Which of vLLM-CPU's attention kernels a BF16 engine started from this process runs: "amx" (AMX tiles, its x86
+    choice in v1/attention/backends/cpu_attn.py `_get_attn_isa` for 128-token KV blocks), else the vector kernel of the
+    library vllm/platforms/cpu.py loads: "avx512_bf16" (`_C`), "avx512" (`_C_AVX512`) or "avx2" (`_C_AVX2`);
+    `attention.VLLM_CPU_BUILDS` names the numerics reproducing each. A capped process answers as its level
+    (`child_site`)."""
     if torch.cpu._is_amx_tile_supported():
         return "amx"
-    return "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+    if torch.cpu._is_avx512_supported():
+        return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+    return "avx2"
 
 
 def native_bf16() -> bool:

@@ -46,7 +46,7 @@ from .scoring import response_tokens, token_logprobs
 STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
 # Which regions each rla_lib.align option acts on (an option is inert without its regions): two
 # configurations that differ only in inert options score identically, so they share a name and a cache file.
-OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "norm_weight": ("residual_norm",),
+OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "rope_rounding": ("rope",), "norm_weight": ("residual_norm",),
                   "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",),
                   "rms_sum": ("rope", "residual_norm")}
 
@@ -62,12 +62,20 @@ def fingerprint(model_dir: Path) -> str:
     for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for source in core_sources():
-        h.update(f"{source.relative_to(PACKAGE)}:".encode() + source.read_bytes())
+    h.update(core_digest().encode())
     return h.hexdigest()[:12]
 
 
 PACKAGE = Path(__file__).parent
+
+
+def core_digest() -> str:
+    """A digest of every core source file (`core_sources`): part of the key of every cache of engine or training-side
+    values, so a change to the code that computes them is never answered from the cache."""
+    h = hashlib.sha1()
+    for source in core_sources():
+        h.update(f"{source.relative_to(PACKAGE)}:".encode() + source.read_bytes())
+    return h.hexdigest()
 
 
 def core_sources() -> list[Path]:

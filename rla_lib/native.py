@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL | None:
     lib.square_sum.restype = None
     lib.attention_spans.argtypes = [ptr, i64, i64, ptr]
     lib.attention_spans.restype = None
-    lib.vllm_cpu_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ptr] * 3
+    lib.vllm_cpu_attention.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float] + [ptr] * 3
     lib.vllm_cpu_attention.restype = ctypes.c_int
     return lib
 
@@ -99,11 +99,15 @@ def square_sum(x: torch.Tensor, registers: int, width: int) -> torch.Tensor:
     return out.view(x.shape[:-1])
 
 
-def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attended: torch.Tensor,
-                       weights: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`attention._vllm_cpu_forward`'s loops in C: scaled FP32 q (B, H, T, D), FP32 k/v (B, KV, S, D) (KV divides H),
-    `attended` (B, 1|H, T, S) bool. Returns the FP32 output before rounding, each row's log-sum-exp (+inf where it
-    attends to nothing) and, with `weights`, p/Σp (B, H, T, S) (else None: writing it costs as much as the rest)."""
+VLLM_CPU_LOOPS = ("avx512", "avx2", "amx")  # the loops of vLLM-CPU's attention kernels (native_kernels.c)
+
+
+def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attended: torch.Tensor, scale: float,
+                       weights: bool = False, loops: str = "avx512"):
+    """`attention._vllm_cpu_forward`'s loops in C: FP32 q (B, H, T, D), the softmax `scale`, FP32 k/v (B, KV, S, D) (KV
+    divides H), `attended` (B, 1|H, T, S) bool, `loops` the vLLM-CPU kernel's (`VLLM_CPU_LOOPS`). Returns the FP32
+    output before rounding, each row's log-sum-exp (+inf where it attends to nothing) and, with `weights`, p/Σp
+    (B, H, T, S) (else None: writing it costs as much as the rest)."""
     batch, heads, length, dim = q.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
@@ -119,7 +123,8 @@ def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     def run(begin, end):
         failed = library().vllm_cpu_attention(
             q.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), span.data_ptr(), start.data_ptr(), heads,
-            kv_heads, mask.shape[1], length, keys, dim, begin, end, out.data_ptr(), logsumexp.data_ptr(),
+            kv_heads, mask.shape[1], length, keys, dim, begin, end, VLLM_CPU_LOOPS.index(loops), scale, out.data_ptr(),
+            logsumexp.data_ptr(),
             None if p is None else p.data_ptr())
         if failed:
             raise MemoryError("rla_lib.native.vllm_cpu_attention: out of memory for its buffers")

@@ -7,7 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One vector register of W floats, and its exact fused multiply-add (a·b + c rounded once, per lane). */
+/* One vector register of W floats, its exact fused multiply-add (a·b + c rounded once, per lane) and its multiply
+ * then add (a·b rounded, then the sum rounded: -ffp-contract=off keeps them apart). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 typedef __m512 vec;
@@ -17,6 +18,8 @@ enum { W = 16 };
 #define vstore(p, x) _mm512_storeu_ps(p, x)
 #define vbroadcast(x) _mm512_set1_ps(x)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vmuladd(a, b, c) _mm512_add_ps(c, _mm512_mul_ps(a, b))
+#define vadd(a, b) _mm512_add_ps(a, b)
 #define vmax(a, b) _mm512_max_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -27,6 +30,8 @@ enum { W = 8 };
 #define vstore(p, x) _mm256_storeu_ps(p, x)
 #define vbroadcast(x) _mm256_set1_ps(x)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vmuladd(a, b, c) _mm256_add_ps(c, _mm256_mul_ps(a, b))
+#define vadd(a, b) _mm256_add_ps(a, b)
 #define vmax(a, b) _mm256_max_ps(a, b)
 #else
 typedef float vec;
@@ -36,6 +41,8 @@ enum { W = 1 };
 #define vstore(p, x) (*(p) = (x))
 #define vbroadcast(x) (x)
 #define vfma(a, b, c) fmaf(a, b, c)
+#define vmuladd(a, b, c) ((c) + (a) * (b))
+#define vadd(a, b) ((a) + (b))
 #define vmax(a, b) ((a) > (b) ? (a) : (b))
 #endif
 
@@ -85,6 +92,41 @@ static inline float fast_exp(float x) {
 
 enum { ROW_BLOCK = 8, LANES = 16 };
 
+/* The two builds of vLLM-CPU's vector attention kernel (csrc/cpu/cpu_attn_impl.hpp, micro_gemm/cpu_micro_gemm_vec.hpp,
+ * cpu_types_x86.hpp). Both write `c = c + a * b` and sum p in 16 lanes. Built for AVX-512 (`_C`), the compiler fuses
+ * c + a·b into one FMA, exp is DEFINE_FAST_EXP's polynomial and the 16 lanes are reduced pairwise
+ * (_mm512_reduce_add_ps). Built for AVX2 (`_C_AVX2`, compiled with -mavx2 and no -mfma), a·b is rounded before the add,
+ * exp is the C library's expf (std::exp per element) and the 16 lanes, two 8-lane halves, are each summed in order
+ * and the two sums added. */
+enum { ISA_AVX512 = 0, ISA_AVX2 = 1, ISA_AMX = 2 };
+
+/* The AMX kernel (cpu_attn_amx.hpp, in `_C`) shares the AVX-512 softmax but multiplies on AMX tiles: q is kept in
+ * BF16 and the scale multiplies the logits instead, and P is stored in BF16 (rounded to nearest) for P·V while the
+ * row sum adds the FP32 values. One TDPBF16PS takes AMX_K = 32 BF16 products per output; measured on an Intel Xeon
+ * (family 6 model 207) against every other order tried, it sums the even-numbered products in order into one FP32
+ * value and the odd-numbered into another, both from zero, and adds their sum to the accumulator (amx_chunk). The
+ * products of two BF16 numbers are exact in FP32, so each in-order step is an FMA with that product. */
+enum { AMX_K = 32 };
+static inline float bf16_nearest(float x) {
+    union { float f; uint32_t u; } v = {x};
+    v.u = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) & 0xFFFF0000u; /* finite inputs: p is in [0, 1] */
+    return v.f;
+}
+
+static float lane_sum(const float *lanes, int64_t isa) {
+    if (isa == ISA_AVX2) {
+        float low = 0.0f, high = 0.0f;
+        for (int64_t j = 0; j < LANES / 2; j++) low = low + lanes[j];
+        for (int64_t j = LANES / 2; j < LANES; j++) high = high + lanes[j];
+        return low + high;
+    }
+    float pairs[LANES];
+    memcpy(pairs, lanes, sizeof(pairs));
+    for (int64_t half = LANES / 2; half >= 1; half /= 2)
+        for (int64_t j = 0; j < half; j++) pairs[j] = pairs[half + j] + pairs[j];
+    return pairs[0];
+}
+
 static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 /* Each row of attended (rows, S) bytes: its first attended key and last + 1 into span (rows, 2); (S, S) where none. */
@@ -99,17 +141,19 @@ void attention_spans(const uint8_t *attended, int64_t rows, int64_t S, int64_t *
     }
 }
 
-/* vLLM's CPU attention forward for heads [bh_begin, bh_end) of q (B·H, T, D) (FP32, already scaled) and k, v
+/* vLLM's CPU attention forward for heads [bh_begin, bh_end) of q (B·H, T, D) (FP32, unscaled) and k, v
  * (B·KV, S, D) (FP32; query head h reads key/value head h / (H / KV)), attended (B, Hm, T, S) bytes (Hm is 1 or H),
  * span (B, Hm, T, 2) from attention_spans, start (B): each sequence's first key position (the origin of the row sum's
  * 16 lanes). Writes out (B·H, T, D) = (1/Σp)·Σ p·v before rounding, logsumexp (B·H, T) = max + log Σp and,
  * unless p_out is NULL, p_out (B·H, T, S) = p/Σp.
- * As attention._vllm_cpu_forward: q·kᵀ and P·V as sequential fmaf chains, keys outside a row's attended span
+ * `isa` is the kernel reproduced (ISA_AVX512, ISA_AVX2: lane_sum; ISA_AMX: bf16_nearest), `scale` the softmax scale.
+ * As attention._vllm_cpu_forward: q·kᵀ and P·V as sequential multiply-add chains, keys outside a row's attended span
  * skipped (their p is 0: adding 0 or fmaf(0, v, acc) leaves every partial sum's bits as they are). Blocks of 8
  * query rows and W keys (or W output dims) accumulate in registers: the chains' order is the same, interleaved. */
 int vllm_cpu_attention(const float *q, const float *k, const float *v, const uint8_t *attended, const int64_t *span,
                        const int64_t *start, int64_t H, int64_t KV, int64_t Hm, int64_t T, int64_t S, int64_t D,
-                       int64_t bh_begin, int64_t bh_end, float *out, float *logsumexp, float *p_out) {
+                       int64_t bh_begin, int64_t bh_end, int64_t isa, float scale, float *out, float *logsumexp,
+                       float *p_out) {
     const int64_t S16 = round_up(S, LANES), D16 = round_up(D, LANES), stride = S16 + 2 * LANES;
     float *scores = malloc(sizeof(float) * ROW_BLOCK * stride), *qb = malloc(sizeof(float) * ROW_BLOCK * D);
     /* the current key/value head: keys transposed (D, S16), values (S, D16), zero-padded to whole vectors */
@@ -140,19 +184,39 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 if (hi[2 * i] > block_hi) block_hi = hi[2 * i];
             }
             memset(qb, 0, sizeof(float) * ROW_BLOCK * D);
-            memcpy(qb, qh + t0 * D, sizeof(float) * rows * D);
+            /* the vector kernels scale q in FP32 while copying it to their buffer; the AMX one scales the logits */
+            for (int64_t j = 0; j < rows * D; j++) qb[j] = isa == ISA_AMX ? qh[t0 * D + j] : qh[t0 * D + j] * scale;
             /* q·kᵀ: one fused multiply-add per head dimension, in order (8 rows × W keys in registers) */
             for (int64_t s0 = block_lo / W * W; s0 < block_hi; s0 += W) {
                 vec a[ROW_BLOCK];
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vzero();
-                for (int64_t d = 0; d < D; d++) {
-                    const vec k = vload(kh + d * S16 + s0);
+                if (isa == ISA_AMX)
+                    for (int64_t d0 = 0; d0 < D; d0 += AMX_K) { /* one TDPBF16PS per AMX_K head dimensions */
+                        vec even[ROW_BLOCK], odd[ROW_BLOCK];
+                        for (int64_t i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = vzero();
+                        for (int64_t d = d0; d < D && d < d0 + AMX_K; d++) {
+                            const vec k = vload(kh + d * S16 + s0);
+                            for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                vec *part = (d - d0) % 2 ? &odd[i] : &even[i];
+                                *part = vfma(vbroadcast(qb[i * D + d]), k, *part);
+                            }
+                        }
+                        for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vadd(a[i], vadd(even[i], odd[i]));
+                    }
+                else
+                    for (int64_t d = 0; d < D; d++) {
+                        const vec k = vload(kh + d * S16 + s0);
 #pragma GCC unroll 8
-                    for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vfma(vbroadcast(qb[i * D + d]), k, a[i]);
-                }
+                        for (int64_t i = 0; i < ROW_BLOCK; i++)
+                            a[i] = isa == ISA_AVX2 ? vmuladd(vbroadcast(qb[i * D + d]), k, a[i])
+                                                   : vfma(vbroadcast(qb[i * D + d]), k, a[i]);
+                    }
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(scores + i * stride + LANES + s0, a[i]);
+                if (isa == ISA_AMX)
+                    for (int64_t i = 0; i < ROW_BLOCK; i++)
+                        for (int64_t j = 0; j < W; j++) scores[i * stride + LANES + s0 + j] *= scale;
             }
             float inverse[ROW_BLOCK];
             /* the row sum's lanes count from start[b]: whole 16-key groups from there, zeros around the block */
@@ -161,7 +225,7 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
             for (int64_t i = 0; i < rows; i++) {
                 const uint8_t *m = mh + (t0 + i) * S;
                 float *row = scores + i * stride + LANES; /* the buffer has 16 floats of room on either side */
-                /* masked keys score -inf: excluded from the max, and fast_exp(-inf) is exactly 0 */
+                /* masked keys score -inf: excluded from the max, and both exps give exactly 0 there */
                 for (int64_t s = block_lo; s < block_hi; s++)
                     row[s] = s >= lo[2 * i] && s < hi[2 * i] && m[s] ? row[s] : -INFINITY;
                 vec maxima = vbroadcast(-INFINITY);
@@ -172,42 +236,63 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 for (int64_t j = 0; j < W; j++) row_max = lanes_max[j] > row_max ? lanes_max[j] : row_max;
                 for (; s < block_hi; s++) row_max = row[s] > row_max ? row[s] : row_max;
                 if (!isfinite(row_max)) row_max = 0.0f; /* a row that attends to nothing */
-                for (int64_t s = block_lo; s < block_hi; s++) row[s] = fast_exp(row[s] - row_max);
+                if (isa == ISA_AVX2)
+                    for (int64_t s = block_lo; s < block_hi; s++) row[s] = expf(row[s] - row_max);
+                else
+                    for (int64_t s = block_lo; s < block_hi; s++) row[s] = fast_exp(row[s] - row_max);
                 for (int64_t s = group_lo; s < block_lo; s++) row[s] = 0.0f;
                 for (int64_t s = block_hi; s < group_hi; s++) row[s] = 0.0f;
                 float lanes[LANES] = {0};
                 for (int64_t s = group_lo; s < group_hi; s += LANES)
                     for (int64_t j = 0; j < LANES; j++) lanes[j] = lanes[j] + row[s + j];
-                for (int64_t half = LANES / 2; half >= 1; half /= 2)
-                    for (int64_t j = 0; j < half; j++) lanes[j] = lanes[half + j] + lanes[j];
-                inverse[i] = (float)(1.0 / (double)lanes[0]);
+                const float row_sum = lane_sum(lanes, isa);
+                inverse[i] = (float)(1.0 / (double)row_sum);
                 /* for the backward: +inf where the row attends to nothing (no gradient) */
-                logsumexp[bh * T + t0 + i] = lanes[0] > 0.0f ? row_max + logf(lanes[0]) : INFINITY;
+                logsumexp[bh * T + t0 + i] = row_sum > 0.0f ? row_max + logf(row_sum) : INFINITY;
             }
             for (int64_t i = rows; i < ROW_BLOCK; i++) /* rows past T: p = 0 */
                 for (int64_t s = block_lo; s < block_hi; s++) scores[i * stride + LANES + s] = 0.0f;
+            for (int64_t i = 0; i < rows && p_out; i++) {
+                float *po = p_out + (bh * T + t0 + i) * S;
+                const float *row = scores + i * stride + LANES;
+                for (int64_t s = 0; s < S; s++) po[s] = (s >= block_lo && s < block_hi ? row[s] : 0.0f) * inverse[i];
+            }
+            if (isa == ISA_AMX) /* P·V reads P in BF16 (the row sums above added the FP32 values) */
+                for (int64_t i = 0; i < ROW_BLOCK; i++)
+                    for (int64_t s = block_lo; s < block_hi; s++)
+                        scores[i * stride + LANES + s] = bf16_nearest(scores[i * stride + LANES + s]);
             /* P·V: one fused multiply-add per key, in order */
             for (int64_t d0 = 0; d0 < D16; d0 += W) { /* 8 rows × W dims in registers */
                 vec a[ROW_BLOCK];
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vzero();
-                for (int64_t s = block_lo; s < block_hi; s++) {
-                    const vec vs = vload(vh + s * D16 + d0);
+                if (isa == ISA_AMX) /* one TDPBF16PS per AMX_K keys, counted from the sequence's first key */
+                    for (int64_t c0 = start[b] + (block_lo - start[b]) / AMX_K * AMX_K; c0 < block_hi; c0 += AMX_K) {
+                        vec even[ROW_BLOCK], odd[ROW_BLOCK];
+                        for (int64_t i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = vzero();
+                        for (int64_t s = c0 > block_lo ? c0 : block_lo; s < block_hi && s < c0 + AMX_K; s++) {
+                            const vec vs = vload(vh + s * D16 + d0);
+                            for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                vec *part = (s - c0) % 2 ? &odd[i] : &even[i];
+                                *part = vfma(vbroadcast(scores[i * stride + LANES + s]), vs, *part);
+                            }
+                        }
+                        for (int64_t i = 0; i < ROW_BLOCK; i++) a[i] = vadd(a[i], vadd(even[i], odd[i]));
+                    }
+                else
+                    for (int64_t s = block_lo; s < block_hi; s++) {
+                        const vec vs = vload(vh + s * D16 + d0);
 #pragma GCC unroll 8
-                    for (int64_t i = 0; i < ROW_BLOCK; i++)
-                        a[i] = vfma(vbroadcast(scores[i * stride + LANES + s]), vs, a[i]);
-                }
+                        for (int64_t i = 0; i < ROW_BLOCK; i++)
+                            a[i] = isa == ISA_AVX2 ? vmuladd(vbroadcast(scores[i * stride + LANES + s]), vs, a[i])
+                                                   : vfma(vbroadcast(scores[i * stride + LANES + s]), vs, a[i]);
+                    }
                 float lanes[ROW_BLOCK][W];
 #pragma GCC unroll 8
                 for (int64_t i = 0; i < ROW_BLOCK; i++) vstore(lanes[i], a[i]);
                 for (int64_t i = 0; i < rows; i++)
                     for (int64_t j = 0; j < W && d0 + j < D; j++)
                         out[(bh * T + t0 + i) * D + d0 + j] = inverse[i] * lanes[i][j];
-            }
-            for (int64_t i = 0; i < rows && p_out; i++) {
-                float *po = p_out + (bh * T + t0 + i) * S;
-                const float *row = scores + i * stride + LANES;
-                for (int64_t s = 0; s < S; s++) po[s] = (s >= block_lo && s < block_hi ? row[s] : 0.0f) * inverse[i];
             }
         }
     }

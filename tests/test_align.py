@@ -47,7 +47,7 @@ OPTION_CASES = [
     {"rope_cos_sin": "bf16", "rope_qk_norm": "stock", "norm_weight": "fp32", "residual_stream": "fp32"},
 ]
 PAPER_OPTIONS = {
-    "rope_cos_sin": "fp32", "rope_qk_norm": "fp32", "norm_weight": "stock", "residual_stream": "bf16", "fused": False,
+    "rope_cos_sin": "fp32", "rope_qk_norm": "fp32", "rope_rounding": "nearest", "norm_weight": "stock", "residual_stream": "bf16", "fused": False,
     "attention": "fp32",  # acts on the "attention" region only, which the paper does not have
     "rms_sum": "torch",  # Transformers' own Σx² order
 }  # fmt: skip
@@ -356,8 +356,13 @@ def test_swiglu_product_is_fp32_rounded_once(family):
     assert not torch.equal(seen["product"], F.silu(gate) * up)  # the stock rounding is really gone
 
 
+# the last: eager vLLM-CPU without AVX512-BF16 (BF16 cos/sin, stock Q/K norm, the rotated Q/K truncated)
+EAGER_TRUNCATING = {"rope_cos_sin": "bf16", "rope_qk_norm": "stock", "rope_rounding": "truncate"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("options", OPTION_CASES[:3], ids=["paper", "cos_sin=bf16", "qk_norm=stock"])
+@pytest.mark.parametrize("options", OPTION_CASES[:3] + [EAGER_TRUNCATING],
+                         ids=["paper", "cos_sin=bf16", "qk_norm=stock", "eager-truncating"])
 def test_rotated_qk_are_fp32_rounded_once(family, options, monkeypatch):
     model = build(family)
     attn = model.model.layers[1].self_attn
@@ -386,7 +391,12 @@ def test_rotated_qk_are_fp32_rounded_once(family, options, monkeypatch):
         states = getattr(attn, proj)(x).view(b, t, -1, attn.head_dim)
         if hasattr(attn, norm):
             states = ref_rms_norm(states, getattr(attn, norm), "none" if opt["rope_qk_norm"] == "fp32" else "stock")
-        expected = ref_rotate(states.transpose(1, 2).float(), cos, sin).to(BF16)
+        rotated = ref_rotate(states.transpose(1, 2).float(), cos, sin)
+        if opt["rope_rounding"] == "truncate":  # the low 16 bits dropped: toward zero, never to a larger magnitude
+            expected = (rotated.view(torch.int32) >> 16).to(torch.int16).view(BF16)
+            assert not torch.equal(expected, rotated.to(BF16)) and (expected.float().abs() <= rotated.abs()).all()
+        else:
+            expected = rotated.to(BF16)
         assert torch.equal(got, expected)
 
 
@@ -685,3 +695,17 @@ def test_changed_source_text_is_refused(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="rotate_half differs"):
         rla.align(build("qwen2"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_truncated_rope_trains(family):
+    """The truncated rotary output passes the gradient of rounding to nearest (a straight-through estimate): every
+    parameter gets a finite gradient, the projections before the rotary a non-zero one."""
+    model = build(family).train()
+    input_ids, mask = batch()
+    with rla.aligned(model, ("rope",), **EAGER_TRUNCATING):
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        assert any(g.abs().sum() > 0 for g in (model.model.layers[0].self_attn.q_proj.weight.grad,))

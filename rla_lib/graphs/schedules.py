@@ -189,14 +189,18 @@ def _summary(sched: dict) -> dict:
 
 def schedule_to_align_kwargs(sched: dict):
     """(regions, options) for rla_lib.align.align from a schedule's points (its 'align' section is not read), how
-    its norms sum (a "sums" section, read from C++ inductor code) and its attention numerics where the schedule has
-    them (an "attention" section: `rla_lib.engine_align`).
+    its norms sum (a "sums" section, read from C++ inductor code), its attention numerics where the schedule has
+    them (an "attention" section: `rla_lib.engine_align`) and how its rotary kernel rounds (a "rope_rounding"
+    section, same).
 
     Notes on what the options cannot express are in `schedule_notes(sched)`.
     """
     regions, options, _ = _align_mapping(_summary(sched), sched.get("has_qk_norm", True))
     if sched.get("sums") and any(r in regions for r in ("rope", "residual_norm")):
         options = options | {"rms_sum": rms_sum_spec(sched["sums"])}
+    rounding = sched.get("rope_rounding", {}).get("rounding")
+    if rounding and "rope" in regions:
+        options = options | {"rope_rounding": rounding}
     numerics = sched.get("attention", {}).get("numerics")
     if numerics:
         regions, options = (*regions, "attention"), options | {"attention": numerics}

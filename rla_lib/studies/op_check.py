@@ -21,6 +21,7 @@ log-softmax).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import torch
 from ..attention import KERNELS as ATTENTION_KERNELS
 from ..engine import Engine
 from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
+from ..mismatch import core_digest
 from ..models import resolve_model
 from ..paths import RESULTS_DIR, ROOT, atomic_write
 from ..scoring import head_logprobs, pad_batch
@@ -87,7 +89,8 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0) -> dict:
 def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int = 1800) -> dict:
     """`capture`'s result, kept under results/op_check (one engine start in a subprocess when not kept yet)."""
     spec = resolve_model(model)
-    path = OP_CHECK_DIR / f"{spec.path.name}-eager-{n}-{machine_key(engine_only=True)}.pt"
+    code = hashlib.sha1(core_digest().encode() + Path(__file__).read_bytes()).hexdigest()[:8]  # a capture is code's too
+    path = OP_CHECK_DIR / f"{spec.path.name}-eager-{n}-{machine_key(engine_only=True)}-{code}.pt"
     if force or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
