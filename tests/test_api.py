@@ -1,0 +1,29 @@
+"""The names `rla_lib` exports (its public API): each resolves to its module's object, and importing the package
+alone loads none of torch, Transformers or vLLM."""
+
+import importlib
+import subprocess
+import sys
+
+import rla_lib
+
+
+def test_every_export_is_its_modules_object():
+    for name, module in rla_lib._EXPORTS.items():
+        assert getattr(rla_lib, name) is getattr(importlib.import_module(f"rla_lib.{module}"), name)
+    assert "align" in dir(rla_lib) and set(rla_lib.__all__) == set(rla_lib._EXPORTS)
+
+
+def test_importing_the_package_loads_no_framework():
+    code = "import sys, rla_lib; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        rla_lib.no_such_name
+    except AttributeError as error:
+        assert "no_such_name" in str(error)
+    else:
+        raise AssertionError("rla_lib.no_such_name resolved")
