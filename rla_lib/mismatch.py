@@ -164,6 +164,28 @@ class MismatchRun:
         if per_sequence_full is not None:
             self.full[side] = response_tokens(per_sequence_full, self.starts).astype(np.float32)
 
+    def subset(self, keep) -> MismatchRun:
+        """The run of the sequences where `keep` (one bool per sequence) is true, every side's scores with them."""
+        keep = np.asarray(keep, dtype=bool)
+        o = self.offsets
+        tokens = np.concatenate([np.arange(a, b) for a, b, k in zip(o[:-1], o[1:], keep) if k] or [np.arange(0)])
+        return MismatchRun([s for s, k in zip(self.sequences, keep) if k], [st for st, k in zip(self.starts, keep) if k],
+                           self.rewards[keep], self.prompts[keep], {s: v[tokens] for s, v in self.token_lp.items()},
+                           {s: v[tokens] for s, v in self.full.items()}, {s: v[tokens] for s, v in self.exact.items()},
+                           dict(self.meta))
+
+    def split_prompts(self, share: float = 0.5, seed: int = 0) -> tuple[MismatchRun, MismatchRun]:
+        """(probe, held-out): the prompts shuffled (seeded) and cut at `share`, each with all of its responses. A
+        choice made on the probe run (e.g. the attention numerics closest to the engine) is then reported on prompts
+        it was not made on."""
+        prompts = np.unique(self.prompts)
+        if len(prompts) < 2:
+            raise ValueError(f"a split needs two prompts or more; this run has {len(prompts)}")
+        shuffled = np.random.default_rng(seed).permutation(prompts)
+        cut = min(max(1, round(share * len(prompts))), len(prompts) - 1)
+        probe = np.isin(self.prompts, shuffled[:cut])
+        return self.subset(probe), self.subset(~probe)
+
     def pairs(self, inference: str, training: str) -> list[dict]:
         """Per-sequence inputs for `rla_lib.kl` estimators."""
         for side in (inference, training):

@@ -27,6 +27,8 @@ per token (not the 1e-4 units of `kl`'s tables and `MismatchMonitor`), nats per 
     mismatch/seq_is_ratio_above_cap  fraction of responses with prod_t rho > tis_cap (what sequence-level IS
                                      clips or masks: TRL's default `sequence_mask`)
     mismatch/tokens, mismatch/sequences  tokens and non-empty responses measured
+    mismatch/nonfinite               response tokens left out because a side's token logprob there is NaN or
+                                     infinite (or a full distribution holds a NaN): counted, not averaged into NaN
 
 `tis_cap` defaults to 2.0 (verl's `rollout_is_threshold`); TRL's `vllm_importance_sampling_clip_max` is 3.0.
 
@@ -76,12 +78,18 @@ from transformers import TrainerCallback
 from .kl import TIS_CAP, mismatch_summary
 
 PREFIX = "mismatch/"
-_COUNTS = ("tokens", "sequences")
+_COUNTS = ("tokens", "sequences", "nonfinite")
 
 
 def _masked_rows(x: torch.Tensor, keep: torch.Tensor) -> list[np.ndarray]:
     """The kept entries of each row of a (B, T) or (B, T, V) tensor, as float64 arrays."""
     return [row[k].detach().to("cpu", torch.float64).numpy() for row, k in zip(x, keep)]
+
+
+def _without_nan(full: torch.Tensor) -> torch.Tensor:
+    """(B, T): whether each position's (V,) log-distribution holds no NaN (-inf is a zero probability), one row of
+    the batch at a time (memory T * V)."""
+    return torch.stack([~torch.isnan(row.detach()).any(-1).cpu() for row in full])
 
 
 def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -98,6 +106,7 @@ def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.
         raise ValueError(f"logprobs and mask must share one (B, T) shape: {tuple(inference_logprobs.shape)}, "
                          f"{tuple(training_logprobs.shape)}, {tuple(mask.shape)}")
     keep = mask.detach().cpu() != 0
+    finite = torch.isfinite(inference_logprobs.detach().cpu()) & torch.isfinite(training_logprobs.detach().cpu())
     full = None
     if (inference_full is None) != (training_full is None):
         raise ValueError("the exact KL needs both sides' full distributions")
@@ -105,10 +114,14 @@ def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.
         if inference_full.shape != training_full.shape or inference_full.shape[:2] != mask.shape:
             raise ValueError(f"full distributions must be (B, T, V) on both sides: {tuple(inference_full.shape)}, "
                              f"{tuple(training_full.shape)} for a mask of {tuple(mask.shape)}")
+        finite &= _without_nan(inference_full) & _without_nan(training_full)
+    nonfinite = int((keep & ~finite).sum())
+    keep &= finite
+    if inference_full is not None:
         full = _masked_rows(inference_full, keep), _masked_rows(training_full, keep)
     summary = mismatch_summary(_masked_rows(inference_logprobs, keep), _masked_rows(training_logprobs, keep),
                                *(full or (None, None)), tis_cap=tis_cap)
-    return {PREFIX + k: float(v) for k, v in summary.items()}
+    return {PREFIX + k: float(v) for k, v in summary.items()} | {PREFIX + "nonfinite": float(nonfinite)}
 
 
 def combine(records: list[dict[str, float]]) -> dict[str, float]:

@@ -260,3 +260,21 @@ def test_the_results_cache_key_covers_every_core_source_and_no_study(tmp_path, m
     before = mismatch.fingerprint(model)
     (package / "native_kernels.c").write_text((package / "native_kernels.c").read_text() + "\n/* changed */\n")
     assert mismatch.fingerprint(model) != before
+
+
+def test_split_prompts_keeps_each_prompts_responses_together_and_their_scores():
+    rng = np.random.default_rng(3)
+    seqs = [list(map(int, rng.integers(0, 16, n))) for n in (6, 9, 4, 7, 5, 8)]
+    run = mismatch.MismatchRun(seqs, [2, 3, 1, 2, 1, 3], np.arange(6.0), np.array([0, 0, 1, 1, 2, 2]))
+    for side in ("vllm:compiled", "hf:bf16:none"):
+        run.add(side, [rng.normal(size=len(s) - 1) for s in seqs])
+    probe, held_out = run.split_prompts(seed=1)
+    assert set(probe.prompts) | set(held_out.prompts) == {0, 1, 2} and not set(probe.prompts) & set(held_out.prompts)
+    assert len(probe.sequences) + len(held_out.sequences) == 6
+    for part in (probe, held_out):  # each sequence keeps its own scores
+        for seq, lp in zip(part.sequences, np.split(part.token_lp["hf:bf16:none"], part.offsets[1:-1])):
+            i = seqs.index(seq)
+            assert np.array_equal(lp, run.token_lp["hf:bf16:none"][run.offsets[i]:run.offsets[i + 1]])
+    assert run.split_prompts(seed=1)[0].sequences == probe.sequences  # seeded
+    with pytest.raises(ValueError, match="two prompts"):
+        run.subset(run.prompts == 0).split_prompts()

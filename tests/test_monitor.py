@@ -9,7 +9,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 
 from rla_lib import kl
-from rla_lib.monitor import MismatchCallback, MismatchMeter, combine, mismatch_metrics
+from rla_lib.monitor import PREFIX, MismatchCallback, MismatchMeter, combine, mismatch_metrics
 
 NAN = float("nan")
 
@@ -187,3 +187,21 @@ def test_importing_the_monitor_loads_no_plotting_library():
     code = "import sys, rla_lib.monitor; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_non_finite_logprobs_are_counted_and_left_out():
+    """A NaN or infinite logprob on a response token (a broken kernel, an overflow) is counted under
+    mismatch/nonfinite and left out of every statistic, which stays what the finite tokens give."""
+    inf, train, mask = _hand_case()
+    clean = mismatch_metrics(inf, train, mask)
+    assert clean[PREFIX + "nonfinite"] == 0
+    bad_inf = torch.cat([inf, torch.tensor([[NAN, -1.0, 0.0]], dtype=torch.float64)])
+    bad_train = torch.cat([train, torch.tensor([[-1.0, float("-inf"), 0.0]], dtype=torch.float64)])
+    bad = mismatch_metrics(bad_inf, bad_train, torch.cat([mask, torch.tensor([[1, 1, 0]])]))
+    assert bad[PREFIX + "nonfinite"] == 2
+    without_count = lambda m: {k: v for k, v in m.items() if k != PREFIX + "nonfinite"}
+    assert without_count(bad) == without_count(clean)
+    meter = MismatchMeter()
+    meter.record(bad_inf, bad_train, torch.cat([mask, torch.tensor([[1, 1, 0]])]))
+    meter.record(inf, train, mask)
+    assert meter.flush()[PREFIX + "nonfinite"] == 2  # summed between two logs, as the token counts
