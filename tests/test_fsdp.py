@@ -27,25 +27,37 @@ HANG_GUARD_S = 600  # two processes importing torch and rla_lib and running 3 st
 
 
 def torchrun(nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """The entry point under torchrun. If it hangs, each worker's Python stack goes into the failure (faulthandler on
-    SIGABRT) before it is stopped: one run of the wrong-world-size launch under load once hung with both workers alive
-    and silent, and nothing told where."""
+    """The entry point under torchrun. If it hangs, each worker's Python stack (faulthandler on SIGABRT) and kernel
+    stack go into the failure, then the whole session is killed: a worker torchrun has lost (its parent gone) would
+    otherwise hold the output pipes open and the test with them. Seen under load on a 2-core VM: a rank stuck in
+    `sched_setaffinity` inside MKL's core count at `import torch` (it pins the process to each CPU in turn), the
+    kernel not running it on the core a busy loop held."""
     import psutil
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
                "--table", str(tmp_path / "table.csv"), "--checkpoints", str(tmp_path / "checkpoints"), *args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
-        for worker in psutil.Process(proc.pid).children(recursive=True):
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        kernel = "\n".join(f"pid {w.pid} kernel stack:\n{kernel_stack(w.pid)}" for w in workers)
+        for worker in workers:
             worker.send_signal(signal.SIGABRT)  # faulthandler prints its stack
         time.sleep(5)
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"torchrun hung for {HANG_GUARD_S} s; the workers' stacks:\n{stderr[-8000:]}") from None
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its workers and any worker it lost
+        stdout, stderr = proc.communicate(timeout=60)
+        raise AssertionError(f"torchrun hung for {HANG_GUARD_S} s; the workers' stacks:\n{stderr[-8000:]}\n"
+                             f"{kernel}") from None
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def kernel_stack(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stack").read_text()
+    except OSError as error:  # not Linux, or not allowed
+        return f"(unreadable: {error})"
 
 
 def launched_alone(tmp_path: Path, world_size: int, *args: str) -> subprocess.CompletedProcess:
