@@ -4,7 +4,7 @@ The names a user needs, importable from the package itself; each module loads on
 stays cheap (no torch, Transformers or vLLM until a name is used):
 
     import rla_lib
-    rla_lib.align(model, rla_lib.REGIONS)                 # the paper's three regions, in place (.undo() restores)
+    with rla_lib.aligned(model, rla_lib.REGIONS): ...     # the paper's three regions, in place, for the block
     rla_lib.align_to_engine(model, engine)                # or round where a running engine rounds (its schedule)
     run = rla_lib.measure("qwen3-tiny")                   # vLLM samples; every training side scores the same tokens
     rla_lib.mismatch_metrics(inference_lp, train_lp, mask)  # the mismatch in your own trainer (or MismatchCallback)
@@ -12,8 +12,10 @@ stays cheap (no torch, Transformers or vLLM until a name is used):
 
 import importlib
 
+# `align` itself is not among them: `rla_lib.align` is the module (`from rla_lib.align import align`)
+
 _EXPORTS = {
-    "align": "align", "aligned": "align", "current": "align", "AlignOptions": "align", "REGIONS": "align",
+    "aligned": "align", "current": "align", "AlignOptions": "align", "REGIONS": "align",
     "ALL_REGIONS": "align",
     "align_to_engine": "engine_align", "engine_schedule_for": "engine_align",
     "Engine": "engine",
