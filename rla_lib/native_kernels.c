@@ -92,7 +92,7 @@ static inline float fast_exp(float x) {
 
 enum { ROW_BLOCK = 8, LANES = 16 };
 
-/* The two builds of vLLM-CPU's vector attention kernel (csrc/cpu/cpu_attn_impl.hpp, micro_gemm/cpu_micro_gemm_vec.hpp,
+/* The two x86 builds of vLLM-CPU's vector attention kernel that have loops of their own (csrc/cpu/cpu_attn_impl.hpp, micro_gemm/cpu_micro_gemm_vec.hpp,
  * cpu_types_x86.hpp). Both write `c = c + a * b` and sum p in 16 lanes. Built for AVX-512 (`_C`), the compiler fuses
  * c + a·b into one FMA, exp is DEFINE_FAST_EXP's polynomial and the 16 lanes are reduced pairwise
  * (_mm512_reduce_add_ps). Built for AVX2 (`_C_AVX2`, compiled with -mavx2 and no -mfma), a·b is rounded before the add,
@@ -104,7 +104,7 @@ enum { ISA_AVX512 = 0, ISA_AVX2 = 1, ISA_AMX = 2 };
  * BF16 and the scale multiplies the logits instead, and P is stored in BF16 (rounded to nearest) for P·V while the
  * row sum adds the FP32 values. One TDPBF16PS takes AMX_K = 32 BF16 products per output; measured on an Intel Xeon
  * (family 6 model 207) against every other order tried, it sums the even-numbered products in order into one FP32
- * value and the odd-numbered into another, both from zero, and adds their sum to the accumulator (amx_chunk). The
+ * value and the odd-numbered into another, both from zero, and adds their sum to the accumulator (the ISA_AMX loops below). The
  * products of two BF16 numbers are exact in FP32, so each in-order step is an FMA with that product. */
 enum { AMX_K = 32 };
 static inline float bf16_nearest(float x) {
