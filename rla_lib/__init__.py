@@ -17,7 +17,7 @@ import importlib
 _EXPORTS = {
     "aligned": "align", "current": "align", "AlignOptions": "align", "REGIONS": "align",
     "ALL_REGIONS": "align",
-    "align_to_engine": "engine_align", "engine_schedule_for": "engine_align",
+    "align_to_engine": "engine_align", "engine_schedule_for": "engine_align", "exactness": "engine_align",
     "Engine": "engine",
     "measure": "mismatch",
     "mismatch_metrics": "monitor", "MismatchMeter": "monitor", "MismatchCallback": "monitor",

@@ -452,6 +452,8 @@ def _has_stock_forward(module: nn.Module) -> bool:
 class Alignment:
     """Handle returned by `align`: which regions and options are on, and `undo()` to restore stock."""
 
+    schedule: dict | None = None  # the engine schedule applied (`engine_align.align_to_engine`; its `exactness`)
+
     def __init__(self, base_model: nn.Module, regions: tuple[str, ...], options: AlignOptions):
         self.regions = regions
         self.options = options

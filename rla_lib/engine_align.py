@@ -1,17 +1,18 @@
-"""Align the training side to an engine in one call: its rounding schedule read from its code, attention probed.
+"""Align the training side to an engine in one call: its rounding schedule read from its code, attention from its kernel.
 
     handle = align_to_engine(model, engine)            # a running Engine, compiled or eager
     handle = align_to_engine(model, "schedule.json")   # or a saved schedule (e.g. read on a GPU machine)
     handle.undo()                                      # stock again, bit for bit
 
 The schedule's points come from `rla_lib.graphs`: the engine's inductor output code (compiled) or its aten
-trace (eager), captured once per model, mode and machine and cached under results/graphs. Attention is an
-opaque kernel in every engine, so its numerics cannot be read there; `probe_attention` measures them end to
-end instead: the engine scores held-out task sequences, the training side aligned to the schedule scores the
-same tokens with each of `rla_lib.align`'s attention numerics, and the one closest to the engine is kept
-(lowest exact KL where the vocabulary is small enough to compare whole distributions; lowest mean |logprob
-difference| of the scored tokens otherwise). The choice and its evidence go into the schedule's
-"attention" section, so a saved schedule carries them and `graphs.schedule_to_align_kwargs` applies them.
+trace (eager), captured once per model, mode and machine and cached under results/graphs. Attention is one
+opaque kernel, invisible there. On vLLM-CPU (x86) its numerics are those of the kernel of the library the
+engine loaded (`attention.VLLM_CPU_BUILDS`, read from vLLM's C++ sources); elsewhere (CUDA) `probe_attention`
+picks them end to end: the engine scores held-out task sequences, the training side aligned to the schedule
+scores the same tokens with each of `rla_lib.align`'s attention numerics, and the closest is kept. Either way
+the probe records, for each numerics, its distance (exact KL per token at a small vocabulary, mean |logprob
+difference| otherwise) and how many tokens are bitwise the engine's; `exactness` says it in words. The choice
+and its evidence go into the schedule's "attention" section, so a saved schedule carries them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import kl, sides, task
 from .align import ALL_REGIONS, AlignOptions, align
 from .engine import Engine
 from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
+from .attention import VLLM_CPU_BUILDS
 from .machine import machine_key, vllm_cpu_attention_kernel
 from .models import load_model, resolve_model
 from .scoring import token_logprobs
@@ -46,21 +48,46 @@ def closeness(engine_scores, training_scores, full: bool) -> float:
     return float(np.mean(np.abs(np.concatenate([e.token_logprobs - t for e, t in zip(engine_scores, training_scores)]))))
 
 
-def probe_attention(engine: Engine, model, regions, options: dict, sequences) -> dict:
-    """Which attention numerics, on top of (regions, options), bring the training side closest to the engine."""
+def probe_attention(engine: Engine, model, regions, options: dict, sequences, candidates=ATTENTION_NUMERICS) -> dict:
+    """Each attention numerics of `candidates` on top of (regions, options) against the engine on the same tokens: how
+    far (exact KL per token, or mean |logprob difference| at a large vocabulary) and how many scored tokens are bitwise
+    the engine's; "numerics" is the closest."""
     full = engine.spec.small_vocab
     engine_scores = engine.score(sequences, full_vocab=full, progress=False)
-    distance = {}
-    for numerics in ATTENTION_NUMERICS:
+    engine_lp = np.concatenate([e.token_logprobs for e in engine_scores])
+    distance, bitwise = {}, {}
+    for numerics in candidates:
         handle = align(model, (*regions, "attention"), **(options | {"attention": numerics}))
         try:
-            distance[numerics] = closeness(engine_scores, token_logprobs(model, sequences, full_vocab=full), full)
+            training = token_logprobs(model, sequences, full_vocab=full)
         finally:
             handle.undo()
-    best = min(distance, key=distance.get)
-    return {"numerics": best, "distance": distance, "measure": "exact KL per token" if full else "mean |logprob difference|",
-            "sequences": len(sequences), "tokens": int(sum(len(s) - 1 for s in sequences)),
-            "how": "probed end to end (rla_lib.engine_align.probe_attention): the engine's attention is an opaque kernel"}
+        distance[numerics] = closeness(engine_scores, training, full)
+        bitwise[numerics] = int((np.concatenate([t[0] if full else t for t in training]) == engine_lp).sum())
+    return {"numerics": min(distance, key=distance.get), "distance": distance, "bitwise": bitwise,
+            "measure": "exact KL per token" if full else "mean |logprob difference|",
+            "sequences": len(sequences), "tokens": len(engine_lp),
+            "how": "probed end to end (rla_lib.engine_align.probe_attention): the closest numerics"}
+
+
+def kernel_numerics() -> str | None:
+    """The numerics reproducing the attention kernel a vLLM-CPU engine started here runs (read from the library it
+    loads), or None where there is none (CUDA: an opaque kernel, probed instead)."""
+    return None if torch.cuda.is_available() else VLLM_CPU_BUILDS.get(vllm_cpu_attention_kernel())
+
+
+def exactness(sched: dict) -> str:
+    """How exact the schedule's training side was on its probe, in words: "exact" only when every probe token was
+    bitwise the engine's."""
+    attention = sched.get("attention", {})
+    numerics, bitwise = attention.get("numerics"), attention.get("bitwise", {})
+    if numerics not in bitwise:
+        return f"attention {numerics}: not probed, exactness unknown (align_to_engine with a running Engine probes it)"
+    n, equal, gap = attention["tokens"], bitwise[numerics], attention["distance"][numerics]
+    if equal == n and gap == 0:
+        return f"exact on the probe: {n:,} of {n:,} tokens bitwise the engine's, {attention['measure']} 0 (attention {numerics})"
+    return (f"not exact: {equal:,} of {n:,} probe tokens bitwise ({equal / n:.1%}), {attention['measure']} {gap:.3g} "
+            f"(attention {numerics}); rla_lib.studies.op_check finds the op that differs")
 
 
 def with_attention(sched: dict, numerics: str, **evidence) -> dict:
@@ -106,12 +133,20 @@ def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences:
     side = sides.engine(engine.mode)
     points, _ = read_sides(engine.spec.path, (side,), force=force, progress=False)
     sched = with_rope_rounding(schedule(points[side], side), engine.mode)
+    model = load_model(engine.spec.path, dtype=engine.dtype) if model is None and probe else model
+    known = kernel_numerics()
+    found = {}
     if probe:
-        model = load_model(engine.spec.path, dtype=engine.dtype) if model is None else model
         regions, options = schedule_to_align_kwargs(sched)
-        found = probe_attention(engine, model, regions, options, probe_sequences(engine, n_sequences))
-        sched = with_attention(sched, **found)
-    return sched
+        # a known kernel is verified (one scoring pass), an unknown one chosen among all numerics
+        found = probe_attention(engine, model, regions, options, probe_sequences(engine, n_sequences),
+                                (known,) if known else ATTENTION_NUMERICS)
+    if known:  # the kernel is known: the probe verifies it rather than choosing
+        found |= {"numerics": known, "how": f"vLLM-CPU's {vllm_cpu_attention_kernel()} attention kernel, the library "
+                  "the engine loaded (rla_lib.machine.vllm_cpu_attention_kernel)" + (", verified on the probe" if probe else "")}
+    if not found:
+        raise ValueError("the engine's attention kernel is not known here (not vLLM-CPU on x86): call with probe=True")
+    return with_attention(sched, **found)
 
 
 def engine_schedule_path(model, mode: str) -> Path:
@@ -133,8 +168,8 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
 
 def align_to_engine(model, source, **schedule_kwargs):
     """Make `model` round where the engine does: `source` is a running `Engine`, a schedule (dict) or the path
-    of a saved one. Returns the `rla_lib.align` handle (`.undo()` restores stock). What the options cannot
-    express is listed by `graphs.schedule_notes(schedule)`."""
+    of a saved one. Returns the `rla_lib.align` handle (`.undo()` restores stock; `exactness(handle.schedule)` says
+    how exact it was on the probe). What the options cannot express is listed by `graphs.schedule_notes(schedule)`."""
     if isinstance(source, Engine):
         sched = engine_schedule(source, model, **schedule_kwargs)
     elif isinstance(source, (str, Path)):
@@ -144,4 +179,6 @@ def align_to_engine(model, source, **schedule_kwargs):
     else:
         raise TypeError(f"source must be an Engine, a schedule dict or a schedule file, got {type(source).__name__}")
     regions, options = schedule_to_align_kwargs(sched)
-    return align(model, tuple(r for r in ALL_REGIONS if r in regions), **options)
+    handle = align(model, tuple(r for r in ALL_REGIONS if r in regions), **options)
+    handle.schedule = sched
+    return handle

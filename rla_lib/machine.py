@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import native
+
 # The CPU flags that decide which BF16 kernels run (Linux /proc/cpuinfo spelling).
 BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
               "amx_tile", "amx_bf16")
@@ -175,7 +177,9 @@ def vllm_cpu_attention_kernel() -> str:
     choice in v1/attention/backends/cpu_attn.py `_get_attn_isa` for 128-token KV blocks), else the vector kernel of the
     library vllm/platforms/cpu.py loads: "avx512_bf16" (`_C`), "avx512" (`_C_AVX512`) or "avx2" (`_C_AVX2`);
     `attention.VLLM_CPU_BUILDS` names the numerics reproducing each. A capped process answers as its level
-    (`child_site`)."""
+    (`child_site`). On another architecture: its name (e.g. "aarch64"), a kernel no numerics reproduces yet."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return platform.machine().lower()
     if torch.cpu._is_amx_tile_supported():
         return "amx"
     if torch.cpu._is_avx512_supported():
@@ -193,8 +197,9 @@ def native_bf16() -> bool:
 
 def bf16_matmul_mode() -> str:
     """How the training side's BF16 linear layers multiply: "native" (torch's BF16 GEMM) or "fp32" (FP32
-    products of the BF16 operands, rounded once). `RLA_BF16_MATMUL` = auto (default: native where the CPU
-    has BF16 instructions) | native | fp32."""
+    products of the BF16 operands, rounded once; forward in the order of torch's BF16 GEMM where the engine calls it,
+    `engine_linear_is_torchs`). `RLA_BF16_MATMUL` = auto (default: native where the CPU has BF16 instructions) |
+    native | fp32."""
     mode = os.environ.get("RLA_BF16_MATMUL", "auto")
     if mode not in BF16_MATMUL_MODES:
         raise ValueError(f"RLA_BF16_MATMUL={mode!r}: choose one of {', '.join(BF16_MATMUL_MODES)}")
@@ -277,10 +282,39 @@ def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | Non
     return torch.cat(products)[:rows]
 
 
+def engine_linear_is_torchs() -> bool:
+    """Whether vLLM-CPU multiplies BF16 with torch's own BF16 linear here: its `_C_AVX2` build (no AVX-512), where
+    oneDNN refuses BF16 (`engine.bf16_linear`). Its sums are then torch's dot products', not the FP32 library's: on an
+    AMD EPYC (Zen 3) 15 of 204,800 outputs of a (400 x 256) @ (256 x 512) product round otherwise."""
+    return not torch.cuda.is_available() and vllm_cpu_attention_kernel() == "avx2"
+
+
+@functools.cache
+def _dot_loop_is_torchs() -> bool:
+    """Whether native_kernels.c's loop of torch's BF16 dot products gives torch's BF16 linear's bits in this process,
+    checked once on products with a bias and every kind of tail: torch runs that loop only without BF16 instructions
+    and without oneDNN's BF16 GEMM (an AVX2-only CPU; under a cap on a larger CPU torch may still pick oneDNN)."""
+    if native.library() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((9, 2 * 64 + 16 + 5), (40, 2 * 64 + 16 + 5), (40,)))
+    return all(torch.equal(native.torch_dot_linear(x[:m], w).add(b.float()).bfloat16(), F.linear(x[:m], w, b)) for m in (1, 9))
+
+
+def torch_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) of a 2-D BF16 x with the bits of torch's BF16 linear here: the C loop of its dot
+    products where it gives them (`_dot_loop_is_torchs`), else torch's kernel itself (several times slower)."""
+    if not _dot_loop_is_torchs():
+        return F.linear(x, weight, bias)
+    out = native.torch_dot_linear(x, weight)
+    return (out if bias is None else out + bias.float()).to(x.dtype)  # torch adds the bias in FP32, rounds once
+
+
 class LinearFP32Accumulate(torch.autograd.Function):
     """y = x W^T + b for BF16 x, W, b as BF16 hardware computes it: exact products of the BF16 operands,
     FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM); a row's bits do not
-    depend on the other rows (`rows_times`). Backward the same."""
+    depend on the other rows (`rows_times`). Where the engine multiplies with torch's BF16 linear (no AVX-512), the
+    forward sums in its order (`torch_bf16_linear`). Backward in FP32 (`rows_times`) either way."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -290,7 +324,10 @@ class LinearFP32Accumulate(torch.autograd.Function):
             # a graph being traced (torch.compile, `graphs.aten`'s dispatch mode) reads rounding points, not row
             # bits: it gets the plain product, the pattern the graph reader knows
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-        out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
+        if x.dtype == torch.bfloat16 and engine_linear_is_torchs():
+            out = torch_bf16_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        else:
+            out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod

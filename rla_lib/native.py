@@ -1,4 +1,5 @@
-"""The kernel-order loops of `vector_sums.square_sum` and `attention.vllm_cpu_attention` in C (native_kernels.c), for
+"""The kernel-order loops of `vector_sums.square_sum`, `attention.vllm_cpu_attention` and torch's BF16 dot-product GEMM
+(`machine.torch_bf16_linear`) in C (native_kernels.c), for
 speed: the torch-op versions take a Python loop of small tensor ops per element of the sum (+400% on a
 forward+backward at 8 layers, `benchmarks/align_overhead.py`). Same operations in the same order, so the same bits
 (tests/test_native.py).
@@ -74,6 +75,10 @@ def library() -> ctypes.CDLL | None:
     lib.attention_spans.restype = None
     lib.vllm_cpu_attention.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float] + [ptr] * 3
     lib.vllm_cpu_attention.restype = ctypes.c_int
+    lib.torch_dot_linear.argtypes = [ptr] * 4 + [i64] * 5 + [ptr]
+    lib.pack_dot_operand.argtypes = [ptr] + [i64] * 5 + [ptr]
+    lib.pack_dot_operand.restype = None
+    lib.torch_dot_linear.restype = None
     return lib
 
 
@@ -97,6 +102,31 @@ def square_sum(x: torch.Tensor, registers: int, width: int) -> torch.Tensor:
     out = torch.empty(rows.shape[0], dtype=torch.float32)
     library().square_sum(rows.data_ptr(), rows.shape[0], rows.shape[1], registers, width, out.data_ptr())
     return out.view(x.shape[:-1])
+
+
+DOT_MR, DOT_NR, DOT_STEP = 6, 16, 64  # native_kernels.c's output tile and step
+
+
+def torch_dot_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)ᵀ of BF16 tensors, summed as torch's BF16 GEMM without BF16 instructions sums them (its
+    dot product per output, native_kernels.c): the FP32 result before rounding."""
+    (rows, k), cols = x.shape, weight.shape[0]
+    steps = k // DOT_STEP
+    tiles, blocks = -(-rows // DOT_MR), -(-cols // DOT_NR)
+    x, weight = x.detach().contiguous(), weight.detach().contiguous()
+    xw = torch.empty(tiles * DOT_STEP * steps * DOT_MR)
+    ww = torch.empty(blocks * DOT_STEP * steps * DOT_NR)
+    for packed, a, tile, n in ((xw, x, DOT_MR, tiles), (ww, weight, DOT_NR, blocks)):
+        _parallel(n, lambda begin, end, packed=packed, a=a, tile=tile: library().pack_dot_operand(
+            a.view(torch.int16).data_ptr(), a.shape[0], k, tile, begin, end, packed.data_ptr()))
+    pad = torch.nn.functional.pad  # the last K - 64·steps columns, as they are (few)
+    x_tail = pad(x[:, steps * DOT_STEP :].float(), (0, 0, 0, tiles * DOT_MR - rows)).contiguous()
+    w_tail = pad(weight[:, steps * DOT_STEP :].float(), (0, 0, 0, blocks * DOT_NR - cols)).T.contiguous()
+    out = torch.empty(tiles * DOT_MR, blocks * DOT_NR, dtype=torch.float32)
+    _parallel(tiles, lambda begin, end: library().torch_dot_linear(
+        xw.data_ptr(), ww.data_ptr(), x_tail.data_ptr(), w_tail.data_ptr(), steps, k - steps * DOT_STEP,
+        blocks * DOT_NR, DOT_MR * begin, DOT_MR * end, out.data_ptr()))
+    return out[:rows, :cols]
 
 
 VLLM_CPU_LOOPS = ("avx512", "avx2", "amx")  # the loops of vLLM-CPU's attention kernels (native_kernels.c)

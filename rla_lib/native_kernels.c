@@ -299,3 +299,94 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
     free(scores), free(qb), free(kh), free(vh);
     return 0;
 }
+
+/* torch's BF16 matrix product on a CPU without BF16 instructions or oneDNN's BF16 GEMM (aten's cpublas gemm_transa_:
+ * one dot_with_fp32_arith per output, ReducedPrecisionFloatGemvFastPathKernel.cpp, AVX2 build), the linear vLLM-CPU's
+ * `_C_AVX2` build calls. Output (m, n) sums the exact products x[m, k]·w[n, k] by fused multiply-adds: k = 64i + 8r + l
+ * into register r's lane l, i in order; the 8 registers paired down (r + 4, then + 2, then + 1), then the lanes as
+ * AVX2's vec_reduce_all pairs them (l ^ 4, then l ^ 2, then l ^ 1). Past the last whole 64: 16 at a time into one more
+ * register (low 8 products, then high 8), paired down alike and added; the rest one product at a time.
+ * Here each of the 64 (r, l) chains is computed for a tile of DOT_MR x DOT_NR outputs at once (their lanes hold
+ * outputs, not products), from packed FP32 copies (`pack_dot_operand`): xw (M / DOT_MR, 64, I, DOT_MR) and ww
+ * (N / DOT_NR, 64, I, DOT_NR) hold x[m, 64i + s] and w[n, 64i + s] for the I whole steps; the rest of K, T = K - 64I
+ * columns, comes as x_tail (M, T) and w_tail (T, N). M is a multiple of DOT_MR, N of DOT_NR; rows [begin, end) of
+ * out (M, N) are written in FP32, before rounding. */
+enum { DOT_MR = 6, DOT_NR = 16, DOT_STEP = 64, DOT_TAIL = 16, DOT_LANES = 8, DOT_ROWS = 48 };
+
+/* acc[r][c] = fma(x[r, k], w[k, c], acc[r][c]) for k = 0 .. count - 1 in order (from acc = 0 if `from_zero`), x[r, k]
+ * at xs[k * xk + r * xr] and w[k, c] at ws[k * wk + c]. */
+static void dot_chains(const float *xs, int64_t xk, int64_t xr, const float *ws, int64_t wk, int64_t count,
+                       int from_zero, float acc[DOT_MR][DOT_NR]) {
+    vec a[DOT_MR][DOT_NR / W];
+    for (int r = 0; r < DOT_MR; r++)
+        for (int c = 0; c < DOT_NR / W; c++) a[r][c] = from_zero ? vzero() : vload(&acc[r][c * W]);
+    for (int64_t k = 0; k < count; k++, xs += xk, ws += wk)
+        for (int r = 0; r < DOT_MR; r++) {
+            const vec xv = vbroadcast(xs[r * xr]);
+            for (int c = 0; c < DOT_NR / W; c++) a[r][c] = vfma(xv, vload(ws + c * W), a[r][c]);
+        }
+    for (int r = 0; r < DOT_MR; r++)
+        for (int c = 0; c < DOT_NR / W; c++) vstore(&acc[r][c * W], a[r][c]);
+}
+
+/* out = lanes 0..7 of v (one register per output) summed as AVX2's vec_reduce_all pairs them: l ^ 4, l ^ 2, l ^ 1. */
+static void lanes_reduce(float v[][DOT_MR][DOT_NR], float out[DOT_MR][DOT_NR]) {
+    float a[DOT_LANES][DOT_MR][DOT_NR], b[2][DOT_MR][DOT_NR];
+    for (int l = 0; l < DOT_LANES; l++)
+        for (int r = 0; r < DOT_MR; r++)
+            for (int c = 0; c < DOT_NR; c++) a[l][r][c] = v[l][r][c] + v[l ^ 4][r][c];
+    for (int l = 0; l < 2; l++)
+        for (int r = 0; r < DOT_MR; r++)
+            for (int c = 0; c < DOT_NR; c++) b[l][r][c] = a[l][r][c] + a[l ^ 2][r][c];
+    for (int r = 0; r < DOT_MR; r++)
+        for (int c = 0; c < DOT_NR; c++) out[r][c] = b[0][r][c] + b[1][r][c];
+}
+
+static void dot_tile(const float *xw, const float *ww, const float *x_tail, const float *w_tail, int64_t steps,
+                     int64_t T, int64_t N, int64_t m0, int64_t n0, float *out) {
+    const int64_t vectors = T / DOT_TAIL * DOT_TAIL;
+    float slots[DOT_STEP][DOT_MR][DOT_NR], tail[DOT_LANES][DOT_MR][DOT_NR], sums[DOT_MR][DOT_NR];
+    for (int s = 0; s < DOT_STEP; s++)
+        dot_chains(xw + s * steps * DOT_MR, DOT_MR, 1, ww + s * steps * DOT_NR, DOT_NR, steps, 1, slots[s]);
+    for (int l = 0; l < DOT_LANES; l++)  /* the 16-wide part of the tail: lane l takes its k = l, 8 + l, ... */
+        dot_chains(x_tail + m0 * T + l, DOT_LANES, T, w_tail + l * N + n0, DOT_LANES * N, vectors / DOT_LANES, 1, tail[l]);
+    /* the pairings, each over a tile's outputs at once (independent sums: free to vectorise); slot 8g + l is
+     * register g's lane l */
+    for (int half = 4; half >= 1; half /= 2)
+        for (int g = 0; g < half; g++)
+            for (int l = 0; l < DOT_LANES; l++)
+                for (int r = 0; r < DOT_MR; r++)
+                    for (int c = 0; c < DOT_NR; c++)
+                        slots[g * DOT_LANES + l][r][c] = slots[g * DOT_LANES + l][r][c] + slots[(half + g) * DOT_LANES + l][r][c];
+    lanes_reduce(slots, sums);
+    lanes_reduce(tail, tail[0]);
+    for (int r = 0; r < DOT_MR; r++)
+        for (int c = 0; c < DOT_NR; c++) sums[r][c] = sums[r][c] + tail[0][r][c];
+    dot_chains(x_tail + m0 * T + vectors, 1, T, w_tail + vectors * N + n0, N, T - vectors, 0, sums); /* one at a time */
+    for (int r = 0; r < DOT_MR; r++) memcpy(out + (m0 + r) * N + n0, sums[r], sizeof(sums[r]));
+}
+
+void torch_dot_linear(const float *xw, const float *ww, const float *x_tail, const float *w_tail, int64_t steps,
+                      int64_t T, int64_t N, int64_t begin, int64_t end, float *out) {
+    for (int64_t rows = begin; rows < end; rows += DOT_ROWS)  /* DOT_ROWS rows of x stay in cache across all of w */
+        for (int64_t n0 = 0; n0 < N; n0 += DOT_NR)
+            for (int64_t m0 = rows; m0 < end && m0 < rows + DOT_ROWS; m0 += DOT_MR)
+                dot_tile(xw + m0 / DOT_MR * DOT_STEP * steps * DOT_MR, ww + n0 / DOT_NR * DOT_STEP * steps * DOT_NR,
+                         x_tail, w_tail, steps, T, N, m0, n0, out);
+}
+
+/* packed[t][s][i][j] = a[t * tile + j, 64i + s] in FP32 (0 past the n rows) for tiles t in [begin, end), from BF16 a
+ * (n, K): `torch_dot_linear`'s xw (tile DOT_MR) and ww (tile DOT_NR). */
+void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int64_t begin, int64_t end, float *packed) {
+    const int64_t steps = K / DOT_STEP;
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t s = 0; s < DOT_STEP; s++)
+            for (int64_t i = 0; i < steps; i++) {
+                float *to = packed + ((t * DOT_STEP + s) * steps + i) * tile;
+                for (int64_t j = 0; j < tile; j++) {
+                    const int64_t row = t * tile + j;
+                    union { uint32_t u; float f; } v = {row < n ? (uint32_t)a[row * K + i * DOT_STEP + s] << 16 : 0u};
+                    to[j] = v.f;
+                }
+            }
+}

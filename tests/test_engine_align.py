@@ -1,14 +1,17 @@
 """rla_lib.engine_align: a schedule with its probed attention numerics, applied in one call."""
 
+import numpy as np
 import pytest
 import torch
 
 from rla_lib import graphs
 from rla_lib.align import current
-from rla_lib.engine_align import (ATTENTION_NUMERICS, align_to_engine, cos_sin_equal, probe_attention, probe_sequences,
-                                  with_attention)
+from rla_lib import task
+from rla_lib.engine_align import (ATTENTION_NUMERICS, align_to_engine, cos_sin_equal, exactness, kernel_numerics,
+                                  probe_attention, probe_sequences, with_attention)
+from rla_lib.machine import describe
 from rla_lib.models import load_model
-from rla_lib.scoring import pad_batch
+from rla_lib.scoring import pad_batch, token_logprobs
 from test_graphs_inductor import CPU_CODE
 
 
@@ -55,8 +58,43 @@ def test_probe_attention_picks_the_closest_numerics(compiled_engine):
     found = probe_attention(compiled_engine, model, regions, options, sequences)
     assert set(found["distance"]) == set(ATTENTION_NUMERICS)
     assert found["numerics"] == min(found["distance"], key=found["distance"].get)
-    assert found["measure"] == "exact KL per token" and all(d >= 0 for d in found["distance"].values())
+    assert found["measure"] == "exact KL per token", found
+    # a KL >= 0, here of FP32 log-probabilities: where the sides are (nearly) equal, the mean can be a few 1e-9 below
+    assert all(d >= -1e-7 for d in found["distance"].values()), found
     assert current(model) is None  # every probe was undone
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(kernel_numerics() is None, reason="no numerics reproduces this engine's attention kernel yet")
+def test_aligned_to_the_running_engine_is_exact_on_prompts_the_probe_did_not_see(compiled_engine):
+    """The engine's read schedule with its kernel's attention numerics: every logprob the engine returns, while
+    sampling (what GRPO and TRL train on) and re-scoring, is the training side's bit for bit, and so is every whole
+    distribution (exact KL 0), on held-out prompts; the probe's report says "exact"."""
+    model = load_model("qwen3-tiny")
+    handle = align_to_engine(model, compiled_engine, n_sequences=16)
+    try:
+        assert handle.schedule["attention"]["numerics"] == kernel_numerics()
+        assert exactness(handle.schedule).startswith("exact on the probe"), (describe(), exactness(handle.schedule))
+        prompts = [p.prompt for p in task.load_split()[64:80]]  # the probe took the first 16
+        samples = [s for g in compiled_engine.sample(prompts, n=2, max_tokens=24, seed=7, full=True) for s in g]
+        rescored = compiled_engine.score([s.ids for s in samples], full_vocab=True)
+        training = token_logprobs(model, [s.ids for s in samples], full_vocab=True)
+    finally:
+        handle.undo()
+    for sample, engine, (lp, full) in zip(samples, rescored, training):
+        start = len(sample.prompt_ids) - 1  # entry t scores token t + 1
+        assert np.array_equal(engine.token_logprobs, lp) and np.array_equal(engine.full, full), describe()
+        assert np.array_equal(sample.logprobs, lp[start:]) and np.array_equal(sample.full, full[start:]), describe()
+
+
+def test_exactness_says_exact_only_when_every_probe_token_is_bitwise():
+    probed = dict(numerics="vllm_cpu", tokens=200, measure="exact KL per token", how="by hand")
+    exact = with_attention(compiled_schedule(), **probed, distance={"vllm_cpu": 0.0}, bitwise={"vllm_cpu": 200})
+    assert exactness(exact).startswith("exact on the probe: 200 of 200 tokens")
+    one_off = with_attention(compiled_schedule(), **probed, distance={"vllm_cpu": 2e-9}, bitwise={"vllm_cpu": 199})
+    assert exactness(one_off).startswith("not exact: 199 of 200 probe tokens bitwise (99.5%)")
+    assert "op_check" in exactness(one_off)
+    assert exactness(compiled_schedule("flash")).startswith("attention flash: not probed")
 
 
 def test_with_attention_checks_the_numerics():

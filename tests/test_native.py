@@ -1,13 +1,16 @@
 """rla_lib.native: the C kernels give the bits of the torch-op loops they replace (vector_sums.square_sum, the
-vLLM CPU attention forward), on random data with padding, sliding windows, GQA and rows that attend to nothing."""
+vLLM CPU attention forward), on random data with padding, sliding windows, GQA and rows that attend to nothing; and
+torch's BF16 dot-product GEMM, against its order spelled in torch ops and, where it runs, torch's own kernel."""
 
 import types
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from rla_lib import attention as rla_attention
-from rla_lib import native, vector_sums
+from rla_lib import machine, native, vector_sums
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the torch-op loops are the only path")
 
@@ -113,3 +116,60 @@ def test_vllm_cpu_gradient_is_the_stock_sdpa_gradient_within_rounding():
     for a, b in zip(got, expected):
         assert (a.float() - b.float()).norm() < 0.01 * b.float().norm()
     assert not all(torch.equal(a, b) for a, b in zip(got, expected))  # not SDPA's own forward: the engine's output
+
+
+def dot_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ in the order of torch's BF16 dot product without BF16 instructions (ReducedPrecisionFloatGemvFastPathKernel,
+    AVX2 build), spelled as torch ops: products exact in FP32, k = 64i + 8r + l into register r's lane l, i in order;
+    registers paired (r + 4, + 2, + 1), lanes paired (l ^ 4, ^ 2, ^ 1); then the 16-wide part of the tail in one more
+    register (k's lane: (k - 64I) % 8, in order), paired alike and added; then the rest one by one."""
+    p = x.float()[:, None, :] * w.float()[None, :, :]  # (M, N, K), exact
+    k = p.shape[-1]
+    whole, vectors = k // 64 * 64, k // 16 * 16
+
+    def lanes(v):  # AVX2's vec_reduce_all over the last dim (8 lanes)
+        v = v + v[..., [4, 5, 6, 7, 0, 1, 2, 3]]
+        v = v + v[..., [2, 3, 0, 1, 6, 7, 4, 5]]
+        return (v + v[..., [1, 0, 3, 2, 5, 4, 7, 6]])[..., 0]
+
+    regs = torch.zeros(*p.shape[:2], 8, 8)
+    for i in range(0, whole, 64):
+        regs = regs + p[..., i : i + 64].unflatten(-1, (8, 8))
+    for half in (4, 2, 1):
+        regs = regs[..., :half, :] + regs[..., half : 2 * half, :]
+    tail = torch.zeros(*p.shape[:2], 8)
+    for i in range(whole, vectors, 8):
+        tail = tail + p[..., i : i + 8]
+    total = lanes(regs[..., 0, :]) + lanes(tail)
+    for i in range(vectors, k):
+        total = total + p[..., i]
+    return total
+
+
+@pytest.mark.parametrize("rows, k, cols", [(7, 256, 40), (13, 200, 33), (1, 896, 17), (6, 24, 16), (5, 7, 3), (9, 1024, 64)])
+def test_torch_dot_linear_sums_in_torchs_dot_order(rows, k, cols):
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), (torch.randn(cols, k, generator=g) * 0.1).bfloat16()
+    fast = native.torch_dot_linear(x, w)
+    assert fast.dtype == torch.float32 and fast.shape == (rows, cols)
+    assert torch.equal(fast, dot_order_reference(x, w))
+    # a test that can fail: another order of the same exact products (the FP32 library's) differs in the FP32 sum
+    assert not torch.equal(fast, x.float() @ w.float().T) or k <= 8
+
+
+@pytest.mark.skipif(not machine.engine_linear_is_torchs(), reason="torch's BF16 linear here is not its dot-product loop "
+                    "(BF16 instructions or oneDNN's BF16 GEMM): only an AVX2-only CPU runs it")
+def test_torch_bf16_linear_is_torchs_kernel_bit_for_bit():
+    """On an AVX2-only CPU (vLLM's `_C_AVX2` build multiplies with torch's BF16 linear) the training side's forward
+    gives torch's own BF16 linear's bits, bias included, at every row count (a row's sum does not depend on the rest)."""
+    assert machine._dot_loop_is_torchs()  # the C loop is taken, not the slow kernel itself
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(130, 1000, generator=g).bfloat16(), (torch.randn(77, 1000, generator=g) / 16).bfloat16(), \
+        torch.randn(77, generator=g).bfloat16()
+    for m in (1, 2, 7, 48, 130):
+        assert torch.equal(machine.torch_bf16_linear(x[:m], w), F.linear(x[:m], w))
+        assert torch.equal(machine.torch_bf16_linear(x[:m], w, b), F.linear(x[:m], w, b))
+    # the FP32 library's sums, the path at other levels, round otherwise in about 3 outputs in 10,000 (a product
+    # of 80,000 outputs: some 24 expected)
+    x, w = torch.randn(400, 1000, generator=g).bfloat16(), (torch.randn(200, 1000, generator=g) / 16).bfloat16()
+    assert not torch.equal(machine.rows_times(x.float(), w.float().T).bfloat16(), F.linear(x, w))

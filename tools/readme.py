@@ -166,6 +166,29 @@ def block_bitwise_tokens() -> str:
     return "\n\n".join([table, source("02_bitwise_tokens", meta)])
 
 
+def exactness_verdict(r) -> str:
+    """"exact" only where every token, as sampled and as rescored, is bitwise and every KL term is 0."""
+    if r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1 and r["kl_all_zero"]:
+        return (f"exact: all {r['tokens']:,} tokens of {r['prompts']} prompts, as sampled and rescored; KL 0 "
+                f"(prompt share >= {r['prompt_share_bound']:.1%}, exact 95% bound)")
+    return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
+            f"{r['prompts_all_bitwise']} of {r['prompts']} prompts all bitwise; KL {r['exact_kl']:.3g} per token")
+
+
+def block_exactness() -> str:
+    t, meta = load_table("exactness")
+    aligned = t[t.side == "engine-aligned"].set_index(["cpu", "level", "model", "mode"])
+    stock = t[t.side == "stock"].set_index(["cpu", "level", "model", "mode"])
+    rows = [[f"{cpu}, level {level} (vLLM attention kernel {r['vllm_attention_kernel']})", f"{model} vs vLLM {mode}",
+             f"{stock.loc[(cpu, level, model, mode), 'sampled_bitwise']:.1%}", exactness_verdict(r)]
+            for (cpu, level, model, mode), r in aligned.iterrows()]
+    table = md_table(["CPU", "model", "stock BF16: tokens bitwise", "engine-aligned"], rows)
+    p = meta.get("params", {})
+    setting = (f"_{p.get('prompts')} held-out prompts x {p.get('samples')} samples of up to {p.get('max_tokens')} tokens "
+               "per row (the last run's settings)._")
+    return "\n\n".join([table, setting, source("exactness", meta)])
+
+
 def block_op_check() -> str:
     t, meta = load_table("02_op_check")
     a, _ = load_table("02_op_check_attention")
@@ -400,6 +423,7 @@ BLOCKS = {
     "speed": measured_by("make bench && make run-all", block_speed),
     "bitwise-tokens": measured_by("make run-all (notebook 02)", block_bitwise_tokens),
     "op-check": measured_by("make run-all (notebook 02)", block_op_check),
+    "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
