@@ -10,8 +10,8 @@ Takes as long as the suite: about 10 minutes on 2 cores.
 --repeat N [--load]: `make test` N times in one fresh clone (set-up once), optionally beside a CPU hog pinned to one
 core for the whole run (`--load`: what a busy CI machine does to the suite's timing assumptions). Each test's outcome
 in each run (pytest's JUnit XML) goes to tables/bench_suite_repeats.csv, one column group per condition
-("plain" or "loaded", at the clone's ISA level: `--env ISA=avx2` for the AVX2 cap); every run's time goes to
-tables/bench_fresh_clone.csv as "<condition> #k". A test that failed once is a flaky test to fix at its root.
+("plain" or "loaded", at the machine's own level or "<level> (capped)" with `--env ISA=<level>`); every run's time
+goes to tables/bench_fresh_clone.csv as "<condition> #k", k counting on from the runs the table holds. A test that failed once is a flaky test to fix at its root.
 
 --target run-all: `make run-all` in the clone, with compile caches as cold as on a fresh machine (TMPDIR, where
 inductor and the capped levels keep theirs, is a new empty folder; vLLM's own cache is in the clone). The clone's
@@ -120,10 +120,10 @@ def save_repeats(condition: str, runs: list[dict[str, str]], commit: str) -> pd.
 
 def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: int, load: bool) -> int:
     """`make test` `repeat` times in the clone (beside a CPU hog if `load`); per-test outcomes and each run's time saved."""
-    level = env.get("ISA") or isa_levels()[0]
+    level = f"{env['ISA']} (capped)" if env.get("ISA") else isa_levels()[0]  # a real AVX2-only CPU is not a capped one
     condition = f"{'loaded' if load else 'plain'}, {level}"
     runs, exit_codes = [], []
-    for k in range(1, repeat + 1):
+    for k in range(earlier_runs(condition) + 1, earlier_runs(condition) + repeat + 1):
         junit = clone / f".junit-{k}.xml"
         with cpu_hog(load):
             test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone, env)
@@ -137,6 +137,14 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
     flaky = table[table[f"{condition}: failed"] > 0]
     print(f"{condition}: {repeat} runs; tests that failed at least once: {list(flaky.index) or 'none'}")
     return max(exit_codes)
+
+
+def earlier_runs(condition: str) -> int:
+    """How many runs under `condition` tables/bench_suite_repeats.csv counts already (a new run's number follows)."""
+    path = TABLES_DIR / "bench_suite_repeats.csv"
+    column = f"{condition}: runs"
+    runs = pd.read_csv(path).get(column) if path.exists() else None
+    return 0 if runs is None or runs.isna().all() else int(runs.max())
 
 
 def slug_condition(condition: str) -> str:
