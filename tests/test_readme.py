@@ -102,9 +102,10 @@ def test_speed_verdict_calls_a_miss_out_of_reach_only_where_the_floor_is_above_t
 
 def test_suite_time_spread_counts_the_latest_passing_runs_on_the_newest_runs_machine():
     runs = pd.DataFrame(dict(
-        machine=["old", "m", "m", "m", "m"], test_s=[300, 540, 2000, 600, 870], failed=[0, 0, 3, 0, 0],
-        exit_code=[0, 0, 1, 0, 0]))
-    # the other machine's run and the failing one are left out: 9.0, 10.0 and 14.5 min remain
+        label=["a", "b", "c", "ISA=avx2 (x)", "plain, avx2 (capped) #1", "d", "e"],
+        machine=["old", "m", "m", "m", "m", "m", "m"], test_s=[300, 540, 2000, 1500, 1500, 600, 870],
+        failed=[0, 0, 3, 0, 0, 0, 0], exit_code=[0, 0, 1, 0, 0, 0, 0]))
+    # the other machine's run, the failing one and the capped ones are left out: 9.0, 10.0 and 14.5 min remain
     assert readme_speed._spread(runs, 12) == "; its last 3 passing runs there: 9.0-14.5 min, 2 of 3 within 12 min"
     assert readme_speed._spread(runs.tail(1), 12) == ""  # one run has no spread
 
