@@ -348,8 +348,9 @@ static void dot_tile(const float *xw, const float *ww, const float *x_tail, cons
     float slots[DOT_STEP][DOT_MR][DOT_NR], tail[DOT_LANES][DOT_MR][DOT_NR], sums[DOT_MR][DOT_NR];
     for (int s = 0; s < DOT_STEP; s++)
         dot_chains(xw + s * steps * DOT_MR, DOT_MR, 1, ww + s * steps * DOT_NR, DOT_NR, steps, 1, slots[s]);
-    for (int l = 0; l < DOT_LANES; l++)  /* the 16-wide part of the tail: lane l takes its k = l, 8 + l, ... */
-        dot_chains(x_tail + m0 * T + l, DOT_LANES, T, w_tail + l * N + n0, DOT_LANES * N, vectors / DOT_LANES, 1, tail[l]);
+    if (vectors > 0)
+        for (int l = 0; l < DOT_LANES; l++)  /* the 16-wide part of the tail: lane l takes its k = l, 8 + l, ... */
+            dot_chains(x_tail + m0 * T + l, DOT_LANES, T, w_tail + l * N + n0, DOT_LANES * N, vectors / DOT_LANES, 1, tail[l]);
     /* the pairings, each over a tile's outputs at once (independent sums: free to vectorise); slot 8g + l is
      * register g's lane l */
     for (int half = 4; half >= 1; half /= 2)
@@ -359,10 +360,12 @@ static void dot_tile(const float *xw, const float *ww, const float *x_tail, cons
                     for (int c = 0; c < DOT_NR; c++)
                         slots[g * DOT_LANES + l][r][c] = slots[g * DOT_LANES + l][r][c] + slots[(half + g) * DOT_LANES + l][r][c];
     lanes_reduce(slots, sums);
-    lanes_reduce(tail, tail[0]);
-    for (int r = 0; r < DOT_MR; r++)
-        for (int c = 0; c < DOT_NR; c++) sums[r][c] = sums[r][c] + tail[0][r][c];
-    dot_chains(x_tail + m0 * T + vectors, 1, T, w_tail + vectors * N + n0, N, T - vectors, 0, sums); /* one at a time */
+    if (vectors > 0)
+        lanes_reduce(tail, tail[0]);
+    for (int r = 0; r < DOT_MR; r++)  /* + 0 without a tail, as torch adds it (a -0 sum becomes +0) */
+        for (int c = 0; c < DOT_NR; c++) sums[r][c] = sums[r][c] + (vectors > 0 ? tail[0][r][c] : 0.0f);
+    if (T > vectors)  /* the last products, one at a time */
+        dot_chains(x_tail + m0 * T + vectors, 1, T, w_tail + vectors * N + n0, N, T - vectors, 0, sums);
     for (int r = 0; r < DOT_MR; r++) memcpy(out + (m0 + r) * N + n0, sums[r], sizeof(sums[r]));
 }
 
