@@ -123,7 +123,8 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
     level = f"{env['ISA']} (capped)" if env.get("ISA") else isa_levels()[0]  # a real AVX2-only CPU is not a capped one
     condition = f"{'loaded' if load else 'plain'}, {level}"
     runs, exit_codes = [], []
-    for k in range(earlier_runs(condition) + 1, earlier_runs(condition) + repeat + 1):
+    first = earlier_runs(condition) + 1
+    for k in range(first, first + repeat):
         junit = clone / f".junit-{k}.xml"
         with cpu_hog(load):
             test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone, env)
@@ -132,7 +133,7 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
         exit_codes.append(rc)
         failed = sorted(t for t, o in runs[-1].items() if o == "failed")
         print(f"{condition} #{k}: exit {rc}, {test_s / 60:.1f} min, {len(runs[-1])} tests, failed: {failed or 'none'}", flush=True)
-        record_run(f"{condition} #{k}", commit, setup_s if k == 1 else 0, test_s, out, rc)
+        record_run(f"{condition} #{k}", commit, setup_s if k == first else 0, test_s, out, rc)  # set-up once
     table = save_repeats(condition, runs, commit)
     flaky = table[table[f"{condition}: failed"] > 0]
     print(f"{condition}: {repeat} runs; tests that failed at least once: {list(flaky.index) or 'none'}")
