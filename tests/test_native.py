@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from rla_lib import attention as rla_attention
 from rla_lib import machine, native, vector_sums
+from rla_lib.vector_sums import lane_tree_sum
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the torch-op loops are the only path")
 
@@ -127,20 +128,14 @@ def dot_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = p.shape[-1]
     whole, vectors = k // 64 * 64, k // 16 * 16
 
-    def lanes(v):  # AVX2's vec_reduce_all over the last dim (8 lanes)
-        v = v + v[..., [4, 5, 6, 7, 0, 1, 2, 3]]
-        v = v + v[..., [2, 3, 0, 1, 6, 7, 4, 5]]
-        return (v + v[..., [1, 0, 3, 2, 5, 4, 7, 6]])[..., 0]
-
+    # registers and lanes are both paired upper half onto lower half (AVX2's vec_reduce_all): lane_tree_sum
     regs = torch.zeros(*p.shape[:2], 8, 8)
     for i in range(0, whole, 64):
         regs = regs + p[..., i : i + 64].unflatten(-1, (8, 8))
-    for half in (4, 2, 1):
-        regs = regs[..., :half, :] + regs[..., half : 2 * half, :]
     tail = torch.zeros(*p.shape[:2], 8)
     for i in range(whole, vectors, 8):
         tail = tail + p[..., i : i + 8]
-    total = lanes(regs[..., 0, :]) + lanes(tail)
+    total = lane_tree_sum(lane_tree_sum(regs.transpose(-1, -2))) + lane_tree_sum(tail)
     for i in range(vectors, k):
         total = total + p[..., i]
     return total
