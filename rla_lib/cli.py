@@ -2,11 +2,18 @@
 
     rla env                                                   # the machine record BF16 numbers depend on
     rla schedule --model DIR --mode compiled --out s.json     # the engine's rounding schedule, for align_to_engine
+    rla measure --model DIR --prompts p.jsonl --out DIR       # the mismatch of each training side on your prompts
 
 `rla schedule` starts the engine where it runs (a GPU machine, say), reads where it rounds, takes or probes its
 attention numerics and writes the schedule; the trainer elsewhere applies it with `align_to_engine(model, "s.json")`.
-It prints how exact the aligned training side was on the probe (`engine_align.exactness`). Bad input (no such model,
-an architecture rla does not align, an output folder that does not exist) is refused before any engine starts.
+It prints how exact the aligned training side was on the probe (`engine_align.exactness`).
+
+`rla measure` samples responses to your prompts (a JSON-lines file: `rla_lib.prompts`) with vLLM, scores the same
+tokens with every training side (`rla_lib.mismatch_report`), prints the mismatch with 95% intervals over prompts, the
+paired change against stock BF16 and the bitwise share, says which configuration to use, and writes the same as
+`measure.csv` and `measure.json` in --out. Bad input (no such model, an architecture rla does not align, a missing
+or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
+refused before any engine starts.
 """
 
 from __future__ import annotations
@@ -16,11 +23,16 @@ import json
 import sys
 from pathlib import Path
 
-from .engine import Engine
+from . import mismatch_report
+from .engine import MODES, Engine, default_context
 from .engine_align import engine_schedule, exactness
 from .graphs import save_schedule
 from .machine import describe, machine
-from .models import resolve_model
+from .mismatch import measure
+from .models import load_tokenizer, resolve_model
+from .paths import RESULTS_DIR
+from .prompts import check_room, prompt_ids, read_prompts
+from .report import save_table
 
 
 def cmd_env(args) -> int:
@@ -40,6 +52,38 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes {text!r}: a comma-separated list of {', '.join(MODES)}")
+    return modes
+
+
+def cmd_measure(args) -> int:
+    spec, modes = resolve_model(args.model), _modes(args.modes)
+    if args.samples < 1 or args.max_tokens < 1:
+        raise ValueError("--samples and --max-tokens must be at least 1")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder for measure.csv and measure.json")
+    ids = prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)
+    check_room(ids, args.max_tokens, default_context(spec))  # everything checked: engines start from here
+    configs = mismatch_report.configs(spec.path, modes, engine_aligned=not args.no_engine_aligned)
+    run = measure(spec.path, modes, configs, n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
+                  fp32_reference=False, prompts=ids, cache_dir=None if args.no_cache else Path(args.cache),
+                  progress=not args.quiet)
+    df = mismatch_report.summary(run, modes, n_boot=args.n_boot, seed=args.seed)
+    advice = mismatch_report.advice(df)
+    out.mkdir(parents=True, exist_ok=True)
+    params = dict(model=str(spec.path), prompts=str(Path(args.prompts).resolve()), n_prompts=len(ids), modes=list(modes),
+                  n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed, n_boot=args.n_boot, advice=advice)
+    save_table(df, "measure", params, out)
+    print(f"{spec.path.name}: {len(ids)} prompts x {args.samples} samples, up to {args.max_tokens} tokens; KL in nats per "
+          "token, 95% intervals over prompts; change: paired, against stock BF16 on the same tokens\n")
+    print(mismatch_report.text_table(df) + "\n\n" + "\n".join(advice) + f"\n\nwritten: {out / 'measure.csv'}, {out / 'measure.json'}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rla", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -53,6 +97,20 @@ def parser() -> argparse.ArgumentParser:
     sch.add_argument("--probe-sequences", type=int, default=64, help="task prompts the attention probe scores")
     sch.add_argument("--force", action="store_true", help="capture the engine's code again instead of the cached one")
     sch.set_defaults(run=cmd_schedule)
+    mea = sub.add_parser("measure", help="the mismatch of stock, the paper's regions and engine-aligned on your prompts")
+    mea.add_argument("--model", required=True, help="an embedded model name or a Qwen2/Qwen3 checkpoint directory")
+    mea.add_argument("--prompts", required=True, help='JSON lines: "text", {"prompt": text} or {"messages": [...]}')
+    mea.add_argument("--modes", default="compiled,eager", help="vLLM modes, comma-separated (the first samples)")
+    mea.add_argument("--samples", type=int, default=2, help="responses per prompt")
+    mea.add_argument("--max-tokens", type=int, default=32, help="most tokens per response")
+    mea.add_argument("--seed", type=int, default=0)
+    mea.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples of prompts per interval")
+    mea.add_argument("--out", required=True, help="folder for measure.csv and measure.json (made if missing)")
+    mea.add_argument("--no-engine-aligned", action="store_true", help="leave out the engine-aligned side (no schedule read)")
+    mea.add_argument("--cache", default=str(RESULTS_DIR / "mismatch"), help="scores kept here; a rerun scores only what is missing")
+    mea.add_argument("--no-cache", action="store_true", help="keep nothing between runs")
+    mea.add_argument("--quiet", action="store_true", help="no progress bars")
+    mea.set_defaults(run=cmd_measure)
     return p
 
 

