@@ -32,6 +32,11 @@ per token (not the 1e-4 units of `kl`'s tables and `MismatchMonitor`), nats per 
 
 `tis_cap` defaults to 2.0 (verl's `rollout_is_threshold`); TRL's `vllm_importance_sampling_clip_max` is 3.0.
 
+Across processes (FSDP, DDP, any `torch.distributed` trainer): where a process group is running with more than one
+rank, every rank's metrics are those of all ranks' tokens together (`across_ranks`): token means weighted by each
+rank's tokens, response means by its responses, counts summed, maxima and minima over ranks. It is a collective:
+every rank calls it (as every rank computes its loss); `across_ranks=False` keeps a rank's own.
+
 Next to TRL's own keys (logged when `vllm_importance_sampling_correction` is on):
 `sampling/sampling_logp_difference/mean` and `/max` are mismatch/abs_diff_mean and _max (TRL averages
 per-process values across processes);
@@ -71,14 +76,21 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .kl import TIS_CAP, mismatch_summary
 
 PREFIX = "mismatch/"
 _COUNTS = ("tokens", "sequences", "nonfinite")
+# how each statistic pools: a mean over tokens, a mean over responses, a maximum, a minimum (`across_ranks`)
+_TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "tis_weight_mean", "is_ratio_above_cap", "exact_kl")
+_SEQUENCE_MEANS = ("k1_per_sequence", "k3_per_sequence", "seq_is_ratio_above_cap", "exact_kl_per_sequence")
+_MAXIMA, _MINIMA = ("abs_diff_max", "is_ratio_max"), ("is_ratio_min",)
 
 
 def _masked_rows(x: torch.Tensor, keep: torch.Tensor) -> list[np.ndarray]:
@@ -89,18 +101,51 @@ def _masked_rows(x: torch.Tensor, keep: torch.Tensor) -> list[np.ndarray]:
 def _without_nan(full: torch.Tensor) -> torch.Tensor:
     """(B, T): whether each position's (V,) log-distribution holds no NaN (-inf is a zero probability), one row of
     the batch at a time (memory T * V)."""
-    return torch.stack([~torch.isnan(row.detach()).any(-1).cpu() for row in full])
+    rows = [~torch.isnan(row.detach()).any(-1).cpu() for row in full]
+    return torch.stack(rows) if rows else torch.zeros(full.shape[:2], dtype=torch.bool)  # an empty batch (a rank's)
+
+
+def distributed() -> bool:
+    """A process group with more than one rank is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def across_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
+    """One rank's `mismatch_metrics` made those of every rank's tokens together (a collective: every rank calls it
+    with the same keys). Means are pooled from each rank's sums (its mean times its tokens or responses), so the
+    result equals one process's metrics of the whole batch up to float64 rounding."""
+    stats = {k.removeprefix(PREFIX): v for k, v in metrics.items()}
+    n = {"tokens": stats["tokens"], "sequences": stats["sequences"]}
+    token_keys, seq_keys = [k for k in _TOKEN_MEANS if k in stats], [k for k in _SEQUENCE_MEANS if k in stats]
+    sums = [stats[k] * n["tokens"] if n["tokens"] else 0.0 for k in token_keys]
+    sums += [stats[k] * n["sequences"] if n["sequences"] else 0.0 for k in seq_keys]
+    totals = torch.tensor([stats[k] for k in _COUNTS] + sums, dtype=torch.float64)
+    extremes = torch.tensor([stats[k] if n["tokens"] else -np.inf for k in _MAXIMA]
+                            + [-stats[k] if n["tokens"] else -np.inf for k in _MINIMA], dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    counts, sums = dict(zip(_COUNTS, totals[:len(_COUNTS)].tolist())), totals[len(_COUNTS):].tolist()
+    out = dict(counts)
+    for key, total in zip(token_keys + seq_keys, sums):
+        by = counts["tokens"] if key in token_keys else counts["sequences"]
+        out[key] = total / by if by else np.nan
+    for i, key in enumerate(_MAXIMA + _MINIMA):
+        value = extremes[i].item() if counts["tokens"] else np.nan
+        out[key] = -value if key in _MINIMA else value
+    return {PREFIX + k: float(v) for k, v in out.items()}
 
 
 def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.Tensor, mask: torch.Tensor,
                      inference_full: torch.Tensor | None = None, training_full: torch.Tensor | None = None,
-                     tis_cap: float = TIS_CAP) -> dict[str, float]:
+                     tis_cap: float = TIS_CAP, across: bool | None = None) -> dict[str, float]:
     """The mismatch metrics of one batch (keys and units in the module docstring).
 
     inference_logprobs, training_logprobs, mask: (B, T), the logprob of each sampled token on each side and
     which positions are response tokens (bool or 0/1). inference_full, training_full: optional (B, T, V)
     log-probabilities over the vocabulary from both sides, for mismatch/exact_kl; they are converted one
     response at a time, so memory grows with T * V, not B * T * V.
+    across: pool every rank's tokens (`across_ranks`, a collective); None: where a process group of more than one
+    rank is running.
     """
     if not (inference_logprobs.shape == training_logprobs.shape == mask.shape) or mask.dim() != 2:
         raise ValueError(f"logprobs and mask must share one (B, T) shape: {tuple(inference_logprobs.shape)}, "
@@ -121,7 +166,8 @@ def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.
         full = _masked_rows(inference_full, keep), _masked_rows(training_full, keep)
     summary = mismatch_summary(_masked_rows(inference_logprobs, keep), _masked_rows(training_logprobs, keep),
                                *(full or (None, None)), tis_cap=tis_cap)
-    return {PREFIX + k: float(v) for k, v in summary.items()} | {PREFIX + "nonfinite": float(nonfinite)}
+    metrics = {PREFIX + k: float(v) for k, v in summary.items()} | {PREFIX + "nonfinite": float(nonfinite)}
+    return across_ranks(metrics) if (distributed() if across is None else across) else metrics
 
 
 def combine(records: list[dict[str, float]]) -> dict[str, float]:
@@ -146,13 +192,13 @@ class MismatchMeter:
         logger.log(meter.flush())                                       # every logging step: combined, then reset
     """
 
-    def __init__(self, tis_cap: float = TIS_CAP):
-        self.tis_cap = tis_cap
+    def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None):
+        self.tis_cap, self.across = tis_cap, across  # across: as in `mismatch_metrics`
         self.pending: list[dict[str, float]] = []
 
     def record(self, inference_logprobs, training_logprobs, mask, inference_full=None, training_full=None) -> dict:
         metrics = mismatch_metrics(inference_logprobs, training_logprobs, mask, inference_full, training_full,
-                                   self.tis_cap)
+                                   self.tis_cap, self.across)
         self.pending.append(metrics)
         return metrics
 
@@ -165,19 +211,41 @@ class MismatchMeter:
 class MismatchCallback(MismatchMeter, TrainerCallback):
     """A `transformers.TrainerCallback` that adds the recorded mismatch metrics to the Trainer's logs.
 
-    The training loop calls `callback.record(...)` wherever it holds both sides' logprobs (with TRL: after
-    `GRPOTrainer._generate_and_score_completions`, with its `sampling_per_token_logps`, `old_per_token_logps`
-    and `completion_mask`). At each log the steps recorded since the previous one are combined into `logs`
-    and into the entry the Trainer has just appended to `state.log_history`.
+        MismatchCallback().attach(trainer)     # a TRL GRPOTrainer: every rollout recorded, every log gets mismatch/*
 
-    The Trainer calls its reporting callbacks (wandb, tensorboard, ...) before the ones passed as
-    `callbacks=[...]`, and they would log before these keys are added: `callback.attach(trainer)` puts
-    this callback first instead.
+    `attach` puts this callback first (the Trainer calls its reporting callbacks, wandb, tensorboard, ..., before the
+    ones passed as `callbacks=[...]`, and they would log before these keys are added) and, on a trainer with TRL's
+    `_generate_and_score_completions`, records each training rollout by itself: its `sampling_per_token_logps`
+    (the engine's), `old_per_token_logps` (the trainer's) and `completion_mask`. TRL computes both only with
+    `use_vllm=True` and `vllm_importance_sampling_correction=True` (its default); without them it warns once and
+    logs nothing. Any other loop calls `callback.record(...)` where it holds both sides' logprobs. At each log the
+    steps recorded since the previous one are combined into `logs` and into the entry the Trainer has just
+    appended to `state.log_history`.
     """
 
-    def attach(self, trainer) -> MismatchCallback:
+    def attach(self, trainer, record_rollouts: bool = True) -> MismatchCallback:
         trainer.callback_handler.callbacks.insert(0, self)
+        generate = getattr(trainer, "_generate_and_score_completions", None)
+        if record_rollouts and generate is not None:
+            def generate_and_record(*args, **kwargs):
+                out = generate(*args, **kwargs)
+                if trainer.model.training:
+                    self._record_rollout(out)
+                return out
+
+            trainer._generate_and_score_completions = generate_and_record
         return self
+
+    def _record_rollout(self, out: dict) -> None:
+        if not {"sampling_per_token_logps", "old_per_token_logps"} <= out.keys():
+            if not getattr(self, "_warned", False):
+                warnings.warn("the rollout has no engine and trainer logprobs to compare: run TRL with use_vllm=True and "
+                              "vllm_importance_sampling_correction=True, or call MismatchCallback.record yourself",
+                              RuntimeWarning, stacklevel=3)
+                self._warned = True
+            return
+        self.record(out["sampling_per_token_logps"], out["old_per_token_logps"],
+                    out["completion_mask"] * out.get("tool_mask", 1))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or any(k.startswith("eval_") for k in logs):

@@ -179,7 +179,9 @@ class EngineGRPOTrainer(GRPOTrainer):
         if positions == "engine":  # the policy and TRL's reference model (beta > 0), which score the same batches
             for scorer in filter(None, (self.model, self.ref_model)):
                 scorer.register_forward_pre_hook(engine_position_ids, with_kwargs=True)
-        self.mismatch = MismatchCallback(tis_cap=args.vllm_importance_sampling_clip_max or TIS_CAP).attach(self)
+        # recorded below, with the whole distributions where the exact KL is logged
+        self.mismatch = MismatchCallback(tis_cap=args.vllm_importance_sampling_clip_max or TIS_CAP)
+        self.mismatch.attach(self, record_rollouts=False)
 
     def _engine_rollout(self, prompts, trainer) -> dict:
         """TRL's `rollout_func`: the prompts arrive repeated `num_generations` times in a row (TRL's sampler), so

@@ -205,3 +205,74 @@ def test_non_finite_logprobs_are_counted_and_left_out():
     meter.record(bad_inf, bad_train, torch.cat([mask, torch.tensor([[1, 1, 0]])]))
     meter.record(inf, train, mask)
     assert meter.flush()[PREFIX + "nonfinite"] == 2  # summed between two logs, as the token counts
+
+
+def _rank_batches():
+    """Two ranks' batches (4 and 3 responses of other lengths; a NaN on rank 1) and the same rows as one batch."""
+    a = _random_batch(seed=1, B=4)
+    b = _random_batch(seed=2, B=3, noise=0.2)
+    b[0][1, 0] = NAN  # a non-finite token, counted on its rank
+    return (a, b), tuple(torch.cat([x, y]) for x, y in zip(a, b))
+
+
+def _rank_metrics(rank: int, store_path: str, results):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        batches, _ = _rank_batches()
+        results[rank] = mismatch_metrics(*batches[rank])  # reduced: a process group of 2 runs
+        empty = [x[:0] for x in batches[rank]]
+        results[f"one rank empty {rank}"] = mismatch_metrics(*(batches[0] if rank == 0 else empty))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_every_rank_logs_the_metrics_of_all_ranks_tokens(tmp_path):
+    """2 ranks over gloo: each rank's metrics equal one process's on both batches together (token means weighted by
+    tokens, response means by responses, counts summed, extremes over ranks), to float64 rounding; a rank without
+    tokens takes the other's."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_rank_metrics, args=(str(tmp_path / "store"), results), nprocs=2)
+    batches, whole = _rank_batches()
+    single = mismatch_metrics(*whole)
+    assert single["mismatch/nonfinite"] == 1 and "mismatch/exact_kl" in single
+    for rank in (0, 1):
+        assert results[rank].keys() == single.keys()
+        for key, value in single.items():
+            assert results[rank][key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+        alone = mismatch_metrics(*batches[0], across=False)
+        for key, value in alone.items():
+            assert results[f"one rank empty {rank}"][key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    # the rank's own, without a process group
+    assert mismatch_metrics(*batches[0]) == mismatch_metrics(*batches[0], across=False)
+
+
+def test_attach_records_each_trl_rollout_by_itself():
+    """On a trainer with TRL's `_generate_and_score_completions`, `attach` records every training rollout (the
+    engine's and the trainer's logprobs, TRL's masks); an evaluation rollout is not recorded, and a rollout without
+    both logprobs warns once."""
+    inf, train, mask, _, _ = _random_batch()
+    tool_mask = torch.ones_like(mask)
+    tool_mask[0, 1] = 0
+
+    class Trainer:
+        callback_handler = CallbackHandler([], None, None, None, None)
+        model = torch.nn.Linear(1, 1)
+
+        def _generate_and_score_completions(self, inputs):
+            return inputs
+
+    trainer = Trainer()
+    callback = MismatchCallback().attach(trainer)
+    rollout = {"sampling_per_token_logps": inf, "old_per_token_logps": train, "completion_mask": mask.long(),
+               "tool_mask": tool_mask}
+    assert trainer._generate_and_score_completions(rollout) is rollout
+    assert callback.pending == [mismatch_metrics(inf, train, mask.long() * tool_mask)]
+    trainer.model.eval()
+    trainer._generate_and_score_completions(rollout)
+    assert len(callback.pending) == 1
+    trainer.model.train()
+    with pytest.warns(RuntimeWarning, match="use_vllm=True"):
+        trainer._generate_and_score_completions({"completion_mask": mask})
+    assert len(callback.pending) == 1
