@@ -42,6 +42,20 @@ def test_schedule_json_roundtrip_and_apply(tmp_path):
         graphs.load_schedule(tmp_path / "other.json")
 
 
+@pytest.mark.parametrize("text, error, message", [
+    (None, FileNotFoundError, "no such schedule file"),
+    ('{"format": ', graphs.GraphParseError, "the file is not JSON"),
+    ("[1, 2]", graphs.GraphParseError, "not a rounding schedule"),
+])
+def test_a_bad_schedule_file_is_named_with_what_was_expected(tmp_path, text, error, message):
+    path = tmp_path / "schedule.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(error, match=message) as raised:
+        align_to_engine(tiny("qwen3"), path)
+    assert str(path) in str(raised.value)
+
+
 CASES = [
     ((), {}),
     (REGIONS, {}),  # the paper

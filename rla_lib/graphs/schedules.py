@@ -175,8 +175,15 @@ def save_schedule(sched: dict, path) -> Path:
 
 
 def load_schedule(path) -> dict:
-    d = json.loads(Path(path).read_text())
-    if d.get("format") != SCHEDULE_FORMAT:
+    """A schedule file (`save_schedule`, `rla schedule`), refused with its name where it is missing or not one."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such schedule file (`rla schedule` or `engine_schedule_for` writes one)")
+    try:
+        d = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise GraphParseError(f"{path}: not a rounding schedule, the file is not JSON ({error}); write it again with "
+                              "`rla schedule`") from None
+    if not isinstance(d, dict) or d.get("format") != SCHEDULE_FORMAT:
         raise GraphParseError(f"{path}: not a rounding schedule ({SCHEDULE_FORMAT})")
     return d
 
