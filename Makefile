@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme test test-fast test-transformers test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
+.PHONY: setup run-all readme measure-example test test-fast test-transformers test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -107,6 +107,11 @@ test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 	$(PYTHON) -m venv .venv-tf/$*
 	.venv-tf/$*/bin/python -m pip install --quiet -r $<
 	touch $@
+
+# `rla measure` on the embedded models and data/prompts/sums-64.jsonl (tables/measure-<model>/, the README's example)
+measure-example: setup
+	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla measure --model $$m --prompts data/prompts/sums-64.jsonl --out tables/measure-$$m --quiet || exit 1; done
+	$(PY) -m tools.readme
 
 # Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`).
 test-fast: setup

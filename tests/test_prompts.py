@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
+from rla_lib import task
 from rla_lib.models import load_tokenizer, resolve_model
+from rla_lib.paths import ROOT
 from rla_lib.prompts import check_room, prompt_ids, read_prompts
 
 # A template the embedded tokenizer can spell (digits, + - * = and space): the turns' text, then "=" to answer after
@@ -72,3 +74,9 @@ def test_a_prompt_must_leave_room_to_answer():
     check_room([[1] * 32], max_tokens=32, context=64)
     with pytest.raises(ValueError, match="prompt 2 has 33 tokens; with 32 to generate it does not fit"):
         check_room([[1], [1] * 33], max_tokens=32, context=64)
+
+
+def test_the_shipped_example_prompts_are_a_fresh_task_split():
+    """data/prompts/sums-64.jsonl (the README's `rla measure` example) is the task's split of seed 64, as text."""
+    shipped = read_prompts(ROOT / "data" / "prompts" / "sums-64.jsonl")
+    assert shipped == [p.prompt for p in task.make_split(64, 64)]

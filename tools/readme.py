@@ -189,6 +189,37 @@ def block_exactness() -> str:
     return "\n\n".join([table, setting, source("exactness", meta)])
 
 
+MEASURE_MODELS = ("qwen3-tiny", "qwen2-tiny")  # `make measure-example`: rla measure on each, tables/measure-<model>/
+
+
+def _measure_change(r) -> str:
+    """A training side's change against stock in the README's words: the CI, and whether it lies below or above 0."""
+    if r["bitwise"] == 1:
+        return share_cell(1.0, 1.0, 1.0, int(r["tokens"]), int(r["prompts"])) + " bitwise"
+    word = ("lower" if r["change ci_high"] < 0 else "higher" if r["change ci_low"] > 0 else "no change beyond noise")
+    return f"{pct_ci(r['change'], r['change ci_low'], r['change ci_high'])} ({word})"
+
+
+def block_measure() -> str:
+    rows, advice, metas = [], [], []
+    for model in MEASURE_MODELS:
+        t, meta = load_table("measure", TABLES_DIR / f"measure-{model}")
+        metas.append(meta)
+        for mode, g in t.groupby("mode", sort=False):
+            g = g.set_index("training side")
+            stock = g.loc["stock BF16"]
+            rows.append([model, f"vLLM {mode}", f"{stock['exact']:.3g} [{stock['exact ci_low']:.3g}, {stock['exact ci_high']:.3g}]",
+                         *[_measure_change(g.loc[side]) for side in ("RoPE only", "the paper's three regions", "engine-aligned")]])
+        advice += [f"{model}: {line}" for line in meta["params"]["advice"] if not line.startswith(" ")]
+    p = metas[0]["params"]
+    setting = (f"_`rla measure` on `{Path(p['prompts']).relative_to(ROOT)}` ({p['n_prompts']} prompts x {p['n_samples']} samples "
+               f"of up to {p['max_tokens']} tokens; exact KL in nats per token; changes paired against stock on the same "
+               f"tokens, 95% intervals over prompts). Its advice:_")
+    sources = [source(f"measure-{m}/measure", meta) for m, meta in zip(MEASURE_MODELS, metas)]
+    table = md_table(["model", "engine", "stock BF16: exact KL", "RoPE only", "the paper's three regions", "engine-aligned"], rows)
+    return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice), *sources])
+
+
 def block_op_check() -> str:
     t, meta = load_table("02_op_check")
     a, _ = load_table("02_op_check_attention")
@@ -424,6 +455,7 @@ BLOCKS = {
     "bitwise-tokens": measured_by("make run-all (notebook 02)", block_bitwise_tokens),
     "op-check": measured_by("make run-all (notebook 02)", block_op_check),
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
+    "measure": measured_by("make measure-example", block_measure),
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
