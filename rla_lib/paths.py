@@ -1,5 +1,11 @@
 """Where the project's files live (resolved from the package, so notebooks can run from anywhere).
 
+Run from the repository (a checkout, `make setup`'s editable install), everything is in it: data/, results/,
+tables/, figures/, .cache/. Installed from a wheel into another environment (a trainer's), the shipped data (the
+embedded models, the task's splits, the example prompts) comes with the package (`rla_lib/_data`) and what rla
+writes (caches, results, tables, figures) goes to `RLA_HOME`, by default the user's cache folder
+(`$XDG_CACHE_HOME/rla`, else `~/.cache/rla`), never into site-packages.
+
 `RLA_FIGURES_DIR` and `RLA_RESULTS_DIR` redirect outputs (the tests send them to a temporary folder
 so a quick test run never overwrites the figures of a full `make run-all`).
 """
@@ -7,8 +13,11 @@ so a quick test run never overwrites the figures of a full `make run-all`).
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = ROOT / "data"
+PACKAGE_DIR = Path(__file__).resolve().parent
+IN_CHECKOUT = (PACKAGE_DIR.parent / "pyproject.toml").is_file() and (PACKAGE_DIR.parent / "data").is_dir()
+USER_HOME = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rla"
+ROOT = PACKAGE_DIR.parent if IN_CHECKOUT else Path(os.environ.get("RLA_HOME") or USER_HOME)
+DATA_DIR = ROOT / "data" if IN_CHECKOUT else PACKAGE_DIR / "_data"
 MODELS_DIR = DATA_DIR / "models"
 FIGURES_DIR = Path(os.environ.get("RLA_FIGURES_DIR", ROOT / "figures"))
 RESULTS_DIR = Path(os.environ.get("RLA_RESULTS_DIR", ROOT / "results"))

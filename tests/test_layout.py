@@ -11,8 +11,9 @@ MAX_MODULE_LINES = 650  # "no module over ~600 lines"
 MAX_FUNCTION_LINES = 85  # "no function over ~80"
 # Imported inside functions on purpose: heavy and optional (vLLM only where the engine runs; inductor's ISA
 # probe, 1.5 s to import, only in notebook 07's capped workers; IPython and jupyter_client only where a notebook
-# or JupyterLab is in use; matplotlib only where a figure is drawn, so a trainer importing the monitor does not load it).
-LAZY_IMPORTS = ("vllm", "torch._inductor", "IPython", "jupyter_client", "matplotlib")
+# or JupyterLab is in use; matplotlib only where a figure is drawn and pandas only where the kl monitor makes a table,
+# so a trainer importing the monitor or align loads neither: the core's dependencies are torch, transformers, numpy).
+LAZY_IMPORTS = ("vllm", "torch._inductor", "IPython", "jupyter_client", "matplotlib", "pandas")
 
 
 TOOLS = PACKAGE.parent / "tools"  # the README renderer and the lab launcher, outside the package

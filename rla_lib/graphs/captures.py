@@ -20,7 +20,7 @@ from .. import sides
 from ..engine import Engine
 from ..machine import machine, machine_key, separate_compile_caches
 from ..models import concurrent_processes, load_model, resolve_model, side_by_side
-from ..paths import ROOT
+from ..paths import PACKAGE_DIR
 from ..progress import bar
 from .aten import AtenTracer, default_ids, training_graph
 from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic_write_json
@@ -226,7 +226,7 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rla_lib.graphs", "capture", str(model), engine, mode, str(out)]
-    proc = subprocess.run(cmd, env=_capture_env(engine, out, env), cwd=str(ROOT), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=_capture_env(engine, out, env), cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True,
                           timeout=timeout)
     (out / "capture.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0 or not (out / "capture.json").exists():

@@ -37,7 +37,7 @@ from ..engine import Engine
 from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
 from ..mismatch import core_digest
 from ..models import resolve_model
-from ..paths import RESULTS_DIR, ROOT, atomic_write
+from ..paths import PACKAGE_DIR, RESULTS_DIR, atomic_write
 from ..scoring import head_logprobs, pad_batch
 from ..task import load_split
 
@@ -97,7 +97,7 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
                    TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         proc = subprocess.run([sys.executable, "-m", "rla_lib.studies.op_check", str(spec.path), "--n", str(n), "--out", str(path)],
-                              env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
+                              env=env, cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"op_check capture of {model} failed (exit {proc.returncode}):\n{tail}")
