@@ -35,6 +35,8 @@ attention dropout, so the kernels refuse a non-zero one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import sys
 
@@ -222,10 +224,15 @@ def _vllm_cpu_forward(query, key, value, attended, scaling, weights=False, build
     compiles (`rla_lib.native`), else as loops of torch ops: the same bits (the log-sum-exp, which only the backward
     reads, within an ulp); the AVX2 build's loops in C only."""
     loops = build if build in ("avx2", "amx") else "avx512"
+    tiles = None if loops == "amx" else _row_tiles(attended, query.shape[-1])
     if native.library() is not None:
         out, logsumexp, p = native.vllm_cpu_attention(query.float(), key.float(), value.float(), attended, scaling,
-                                                      weights, loops)
+                                                      weights, loops, tiles)
         return _to_model_dtype(out, query.dtype, build), logsumexp, p
+    keys_per_row = attended.sum(-1).amax(1)  # (B, T): keys each query row attends
+    if tiles is not None and bool(((tiles > 0) & (keys_per_row > tiles)).any()):
+        raise RuntimeError("sequences longer than one of vLLM-CPU's KV tiles need rla_lib's C kernels (built by the "
+                           "system C compiler, which failed or is missing: see the warning above); install gcc")
     q = query.float() * scaling  # the vector kernel scales q in FP32 while copying it to its buffer
     if loops != "avx512":
         raise RuntimeError(f"attention='{VLLM_CPU_BUILDS[build]}' runs in C only (rla_lib/native_kernels.c, built by the "
@@ -237,6 +244,18 @@ def _vllm_cpu_forward(query, key, value, attended, scaling, weights=False, build
     out, logsumexp, p = _vllm_cpu_forward_torch(q, repeat_kv(key, groups).float(), repeat_kv(value, groups).float(),
                                                 attended, start)
     return _to_model_dtype(out, query.dtype, build), logsumexp, p if weights else None
+
+
+def _row_tiles(attended, head_dim: int) -> torch.Tensor:
+    """(B, T) KV tile size of each query row: each sequence's length read from the keys its rows attend (right
+    padding), its prefilled part from `prefilled` (default: all)."""
+    keys = attended.flatten(1, 2).any(1).int()  # (B, S): the keys some row attends, a sequence's tokens
+    starts, ends = keys.argmax(-1), keys.cumsum(-1).argmax(-1) + 1
+    lengths = (ends - starts).tolist()
+    given = _PREFILLED.get()
+    if given is not None and len(given) != len(lengths):
+        raise ValueError(f"prefilled: {len(given)} lengths for a batch of {len(lengths)} sequences")
+    return kv_tiles(lengths, lengths if given is None else given, attended.shape[-2], head_dim, starts=starts.tolist())
 
 
 def _vllm_cpu_forward_torch(q, key, value, attended, start):
@@ -263,6 +282,66 @@ def _vllm_cpu_forward_torch(q, key, value, attended, start):
     out = _fma_accumulate(out, p.movedim(-1, 0)[..., None], value.movedim(-2, 0)[..., None, :])
     logsumexp = torch.where(row_sum > 0, row_max[..., 0] + row_sum.log(), float("inf"))
     return inverse_sum * out, logsumexp, p * inverse_sum
+
+
+# ---- vLLM-CPU's KV tiles: how many keys a query row's softmax takes at a time ---------------------------------
+# cpu_attn_impl.hpp, AttentionScheduler, for the vector kernels (cpu_attn_vec.hpp: 8 query rows per iteration, keys in
+# units of 32, FP32 q/logits/partial-output buffers, a BF16 KV cache), from half the L2 cache torch reports. A prefill
+# takes its queries in tiles of `prefill_q_tile` tokens; each q tile's KV tile size follows from its (rounded) rows. A
+# decoded token is one row (rounded to 8). Rows whose keys fit one tile are what the untiled kernel computes.
+Q_ROWS_PER_ITER, KEY_ALIGN, MAX_Q_TILE_ITERS = 8, 32, 128
+BUFFER_BYTES = dict(q=4, kv=2, logits=4, out=4)
+_PREFILLED = contextvars.ContextVar("rla_prefilled", default=None)
+
+
+def l2_cache_bytes() -> int:
+    """The L2 size vLLM-CPU sizes its tiles by: torch's CPU capabilities (at::cpu::get_cpu_capabilities)."""
+    return int(torch._C._cpu._get_cpu_capability()["l2_cache_size"])
+
+
+def prefill_q_tile(head_dim: int, l2: int) -> int:
+    """calcu_default_tile_size: query tokens per prefill q tile."""
+    b = BUFFER_BYTES
+    tile = (l2 >> 1) // (head_dim * (b["q"] + 2 * b["kv"] + b["out"]) + Q_ROWS_PER_ITER * b["logits"])
+    tile = min(tile, MAX_Q_TILE_ITERS * Q_ROWS_PER_ITER)
+    return max(tile // Q_ROWS_PER_ITER * Q_ROWS_PER_ITER, Q_ROWS_PER_ITER)
+
+
+def kv_tile(q_rows: int, head_dim: int, l2: int) -> int:
+    """calcu_tile_size_with_constant_q: keys per KV tile for a q tile of `q_rows` rows (rounded up to 8)."""
+    b, rows = BUFFER_BYTES, -(-q_rows // Q_ROWS_PER_ITER) * Q_ROWS_PER_ITER
+    room = (l2 >> 1) - rows * head_dim * (b["q"] + b["out"])
+    one_round = rows <= Q_ROWS_PER_ITER  # one q iteration: K and V need not stay in the cache
+    tile = room // (b["logits"] * Q_ROWS_PER_ITER + (0 if one_round else 2 * head_dim * b["kv"]))
+    return max(tile // KEY_ALIGN * KEY_ALIGN, KEY_ALIGN)
+
+
+def kv_tiles(lengths, prefilled, width: int, head_dim: int, l2: int | None = None, starts=None) -> torch.Tensor:
+    """(B, width) KV tile size of each query row of sequences of `lengths` tokens (starting at row `starts`, default 0:
+    left padding before) whose first `prefilled` tokens the engine computed in one prefill, the rest one decoded token
+    at a time."""
+    l2 = l2_cache_bytes() if l2 is None else l2
+    q_tile, decode = prefill_q_tile(head_dim, l2), kv_tile(1, head_dim, l2)
+    tiles = torch.zeros(len(lengths), width, dtype=torch.int64)
+    for row, (n, p, s) in enumerate(zip(lengths, prefilled, [0] * len(lengths) if starts is None else starts)):
+        p = min(int(p), int(n))
+        for first in range(0, p, q_tile):
+            tiles[row, s + first : s + min(first + q_tile, p)] = kv_tile(min(q_tile, p - first), head_dim, l2)
+        tiles[row, s + p : s + n] = decode
+    return tiles
+
+
+@contextlib.contextmanager
+def prefilled(lengths):
+    """For the engine-numerics attention kernels within the block: how many leading tokens of each sequence of the
+    batch the engine computed in one prefill (its prompt, for the logprobs it returned while sampling); the tokens after
+    them it decoded one at a time. Outside such a block every token counts as prefilled, as when the engine re-scores a
+    sequence. The two differ only for sequences longer than one KV tile (`kv_tile`)."""
+    token = _PREFILLED.set(None if lengths is None else [int(n) for n in lengths])
+    try:
+        yield
+    finally:
+        _PREFILLED.reset(token)
 
 
 class _SdpaBackward(torch.autograd.Function):

@@ -73,7 +73,7 @@ def library() -> ctypes.CDLL | None:
     lib.square_sum.restype = None
     lib.attention_spans.argtypes = [ptr, i64, i64, ptr]
     lib.attention_spans.restype = None
-    lib.vllm_cpu_attention.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float] + [ptr] * 3
+    lib.vllm_cpu_attention.argtypes = [ptr] * 7 + [i64] * 9 + [ctypes.c_float] + [ptr] * 3
     lib.vllm_cpu_attention.restype = ctypes.c_int
     lib.torch_dot_linear.argtypes = [ptr] * 4 + [i64] * 5 + [ptr]
     lib.pack_dot_operand.argtypes = [ptr] + [i64] * 5 + [ptr]
@@ -133,11 +133,13 @@ VLLM_CPU_LOOPS = ("avx512", "avx2", "amx")  # the loops of vLLM-CPU's attention 
 
 
 def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attended: torch.Tensor, scale: float,
-                       weights: bool = False, loops: str = "avx512"):
+                       weights: bool = False, loops: str = "avx512", tiles: torch.Tensor | None = None):
     """`attention._vllm_cpu_forward`'s loops in C: FP32 q (B, H, T, D), the softmax `scale`, FP32 k/v (B, KV, S, D) (KV
-    divides H), `attended` (B, 1|H, T, S) bool, `loops` the vLLM-CPU kernel's (`VLLM_CPU_LOOPS`). Returns the FP32
-    output before rounding, each row's log-sum-exp (+inf where it attends to nothing) and, with `weights`, p/Σp
-    (B, H, T, S) (else None: writing it costs as much as the rest)."""
+    divides H), `attended` (B, 1|H, T, S) bool, `loops` the vLLM-CPU kernel's (`VLLM_CPU_LOOPS`), `tiles` (B, T) the KV
+    tile size of each query row (`attention.kv_tiles`; 0 or None: all keys in one tile). Returns the FP32 output before
+    rounding, each row's log-sum-exp (+inf where it attends to nothing) and, with `weights`, p/Σp (B, H, T, S) (else
+    None: writing it costs as much as the rest; for rows over several tiles each tile's p is relative to its own max,
+    not rescaled)."""
     batch, heads, length, dim = q.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
@@ -149,10 +151,12 @@ def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out = torch.empty(batch, heads, length, dim, dtype=torch.float32)
     logsumexp = torch.empty(batch, heads, length, dtype=torch.float32)
     p = torch.empty(batch, heads, length, keys, dtype=torch.float32) if weights else None
+    tiles = None if tiles is None else tiles.to(torch.int64).expand(batch, length).contiguous()
 
     def run(begin, end):
         failed = library().vllm_cpu_attention(
-            q.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), span.data_ptr(), start.data_ptr(), heads,
+            q.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), span.data_ptr(), start.data_ptr(),
+            None if tiles is None else tiles.data_ptr(), heads,
             kv_heads, mask.shape[1], length, keys, dim, begin, end, VLLM_CPU_LOOPS.index(loops), scale, out.data_ptr(),
             logsumexp.data_ptr(),
             None if p is None else p.data_ptr())

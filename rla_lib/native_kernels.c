@@ -2,6 +2,7 @@
  * one the torch-op version in those modules performs, in the same order, so the bits are the same (tested): compiled
  * with -ffp-contract=off (no multiply-add fused unless written as fmaf) and without -ffast-math (no reassociation).
  * Loops over independent lanes, rows and keys are free to vectorise; loops that accumulate stay sequential. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,6 +22,7 @@ enum { W = 16 };
 #define vmuladd(a, b, c) _mm512_add_ps(c, _mm512_mul_ps(a, b))
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmax(a, b) _mm512_max_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vec;
@@ -33,6 +35,7 @@ enum { W = 8 };
 #define vmuladd(a, b, c) _mm256_add_ps(c, _mm256_mul_ps(a, b))
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmax(a, b) _mm256_max_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
 #else
 typedef float vec;
 enum { W = 1 };
@@ -44,6 +47,7 @@ enum { W = 1 };
 #define vmuladd(a, b, c) ((c) + (a) * (b))
 #define vadd(a, b) ((a) + (b))
 #define vmax(a, b) ((a) > (b) ? (a) : (b))
+#define vmul(a, b) ((a) * (b))
 #endif
 
 /* Σx² of each row of x (rows, n), as inductor's vectorised reduction adds it: `registers` registers of `width` lanes
@@ -141,6 +145,41 @@ void attention_spans(const uint8_t *attended, int64_t rows, int64_t S, int64_t *
     }
 }
 
+/* One query row's softmax over keys [lo, hi) as vLLM's prefill/decode loop runs it when the keys come in KV tiles of
+ * `tile` keys counted from the sequence's first key `origin` (cpu_attn_impl.hpp: the compute loop over kv_tile_pos,
+ * apply_softmax): the running max starts at -FLT_MAX and moves to a tile's max only when that is more than 8 above it
+ * (the lazy rescale), each tile's p = exp(s - max) is summed in 16 lanes restarting at the tile's first key, and the
+ * row sum becomes tile sum + f·sum (f = exp(old max - new max) where the max moved; multiply and add apart in the
+ * AVX2 build, fused in the others), the partial output being multiplied by f before the tile's P·V. Writes p over
+ * row[lo, hi), rescale[s] = f at the first key s of each tile after the first where the max moved, the row's max and
+ * sum. Keys a row does not attend score -inf: a tile of them changes nothing (p = 0, the max stays). */
+static void tiled_row_softmax(float *row, int64_t lo, int64_t hi, int64_t origin, int64_t tile, int64_t isa,
+                              float *rescale, float *row_max, float *row_sum) {
+    float max = -FLT_MAX, sum = 0.0f;
+    int first = 1;
+    for (int64_t tl = origin + (lo - origin) / tile * tile; tl < hi; tl += tile) {
+        const int64_t a = tl > lo ? tl : lo, b = tl + tile < hi ? tl + tile : hi;
+        float tile_max = max;
+        for (int64_t s = a; s < b; s++) tile_max = row[s] > tile_max ? row[s] : tile_max;
+        const float moved = max - tile_max;
+        const int rescaled = moved < -8.0f;
+        float f = 1.0f;
+        if (rescaled) max = tile_max, f = expf(moved);
+        for (int64_t s = a; s < b; s++) row[s] = isa == ISA_AVX2 ? expf(row[s] - max) : fast_exp(row[s] - max);
+        float lanes[LANES] = {0};
+        for (int64_t s = a; s < b; s++) lanes[(s - tl) % LANES] = lanes[(s - tl) % LANES] + row[s];
+        const float tile_sum = lane_sum(lanes, isa);
+        if (rescaled) {
+            sum = isa == ISA_AVX2 ? tile_sum + f * sum : fmaf(f, sum, tile_sum);
+            if (!first) rescale[a] = f;
+        } else {
+            sum = tile_sum + sum;
+        }
+        first = 0;
+    }
+    *row_max = max, *row_sum = sum;
+}
+
 /* vLLM's CPU attention forward for heads [bh_begin, bh_end) of q (B·H, T, D) (FP32, unscaled) and k, v
  * (B·KV, S, D) (FP32; query head h reads key/value head h / (H / KV)), attended (B, Hm, T, S) bytes (Hm is 1 or H),
  * span (B, Hm, T, 2) from attention_spans, start (B): each sequence's first key position (the origin of the row sum's
@@ -151,15 +190,19 @@ void attention_spans(const uint8_t *attended, int64_t rows, int64_t S, int64_t *
  * skipped (their p is 0: adding 0 or fmaf(0, v, acc) leaves every partial sum's bits as they are). Blocks of 8
  * query rows and W keys (or W output dims) accumulate in registers: the chains' order is the same, interleaved. */
 int vllm_cpu_attention(const float *q, const float *k, const float *v, const uint8_t *attended, const int64_t *span,
-                       const int64_t *start, int64_t H, int64_t KV, int64_t Hm, int64_t T, int64_t S, int64_t D,
-                       int64_t bh_begin, int64_t bh_end, int64_t isa, float scale, float *out, float *logsumexp,
-                       float *p_out) {
+                       const int64_t *start, const int64_t *tiles, int64_t H, int64_t KV, int64_t Hm, int64_t T,
+                       int64_t S, int64_t D, int64_t bh_begin, int64_t bh_end, int64_t isa, float scale, float *out,
+                       float *logsumexp, float *p_out) {
     const int64_t S16 = round_up(S, LANES), D16 = round_up(D, LANES), stride = S16 + 2 * LANES;
     float *scores = malloc(sizeof(float) * ROW_BLOCK * stride), *qb = malloc(sizeof(float) * ROW_BLOCK * D);
     /* the current key/value head: keys transposed (D, S16), values (S, D16), zero-padded to whole vectors */
     float *kh = calloc(D * S16, sizeof(float)), *vh = calloc(S * D16, sizeof(float));
-    if (!scores || !qb || !kh || !vh) {
-        free(scores), free(qb), free(kh), free(vh);
+    /* tiled rows (tiles != NULL): each row's output rescale factor at a tile's first key (1: none), and which keys
+     * start a rescale for some row of the block */
+    float *rescale = malloc(sizeof(float) * ROW_BLOCK * S);
+    uint8_t *marks = malloc(S ? S : 1);
+    if (!scores || !qb || !kh || !vh || !rescale || !marks) {
+        free(scores), free(qb), free(kh), free(vh), free(rescale), free(marks);
         return 1;
     }
     int64_t loaded = -1;
@@ -222,12 +265,28 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
             /* the row sum's lanes count from start[b]: whole 16-key groups from there, zeros around the block */
             const int64_t group_lo = start[b] + (block_lo - start[b]) / LANES * LANES;
             const int64_t group_hi = block_hi + (LANES - (block_hi - start[b]) % LANES) % LANES;
+            int tiled = 0;
             for (int64_t i = 0; i < rows; i++) {
                 const uint8_t *m = mh + (t0 + i) * S;
                 float *row = scores + i * stride + LANES; /* the buffer has 16 floats of room on either side */
                 /* masked keys score -inf: excluded from the max, and both exps give exactly 0 there */
                 for (int64_t s = block_lo; s < block_hi; s++)
                     row[s] = s >= lo[2 * i] && s < hi[2 * i] && m[s] ? row[s] : -INFINITY;
+                const int64_t tile = tiles ? tiles[b * T + t0 + i] : 0;
+                if (tile > 0 && lo[2 * i] < hi[2 * i]) { /* the keys in KV tiles, the max moving lazily */
+                    if (!tiled)
+                        for (int64_t j = 0; j < ROW_BLOCK * S; j++) rescale[j] = 1.0f;
+                    if (!tiled) memset(marks, 0, S);
+                    tiled = 1;
+                    float row_max, row_sum;
+                    tiled_row_softmax(row, lo[2 * i], hi[2 * i], start[b], tile, isa, rescale + i * S, &row_max, &row_sum);
+                    for (int64_t s = block_lo; s < lo[2 * i]; s++) row[s] = 0.0f;
+                    for (int64_t s = hi[2 * i]; s < block_hi; s++) row[s] = 0.0f;
+                    for (int64_t s = lo[2 * i]; s < hi[2 * i]; s++) marks[s] |= rescale[i * S + s] != 1.0f;
+                    inverse[i] = 1.0f / row_sum;
+                    logsumexp[bh * T + t0 + i] = row_max + logf(row_sum);
+                    continue;
+                }
                 vec maxima = vbroadcast(-INFINITY);
                 int64_t s = block_lo;
                 for (; s + W <= block_hi; s += W) maxima = vmax(maxima, vload(row + s));
@@ -282,6 +341,8 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
                 else
                     for (int64_t s = block_lo; s < block_hi; s++) {
                         const vec vs = vload(vh + s * D16 + d0);
+                        if (tiled && marks[s]) /* a tile whose max moved: the partial outputs rescaled first */
+                            for (int64_t i = 0; i < rows; i++) a[i] = vmul(a[i], vbroadcast(rescale[i * S + s]));
 #pragma GCC unroll 8
                         for (int64_t i = 0; i < ROW_BLOCK; i++)
                             a[i] = isa == ISA_AVX2 ? vmuladd(vbroadcast(scores[i * stride + LANES + s]), vs, a[i])
@@ -296,7 +357,7 @@ int vllm_cpu_attention(const float *q, const float *k, const float *v, const uin
             }
         }
     }
-    free(scores), free(qb), free(kh), free(vh);
+    free(scores), free(qb), free(kh), free(vh), free(rescale), free(marks);
     return 0;
 }
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .attention import prefilled as attention_prefilled
+
 
 def pad_batch(sequences, pad_id: int = 0):
     """Right-pad token-id lists: positions then start at 0 in every row, as in vLLM."""
@@ -69,10 +71,13 @@ def head_logprobs(lm_head, hidden, targets, chunk_size: int = 1024, temperature:
 
 
 def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False,
-                   temperature: float = 1.0):
+                   temperature: float = 1.0, prefilled=None):
     """Logprob of each token given its prefix, for each sequence (entry t scores ids[t+1]).
 
     `temperature`: score softmax(logits / T), the distribution an engine sampling at T draws from.
+    `prefilled`: per sequence, how many leading tokens the engine prefilled in one go (the prompt, for the logprobs it
+    returned while sampling); default all, as it re-scores. Only the engine-numerics attention kernels read it, and
+    only sequences longer than one of the engine's KV tiles depend on it (`attention.prefilled`).
 
     Returns a list of float32 numpy arrays (or a list of (logprobs, full) pairs with
     full_vocab=True). With grad=True returns torch tensors that keep the graph.
@@ -83,7 +88,8 @@ def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = 
         batch = [list(s) for s in sequences[b : b + batch_size]]
         ids, mask = pad_batch(batch)
         ids, mask = ids.to(device), mask.to(device)
-        with torch.set_grad_enabled(grad):
+        lengths = None if prefilled is None else prefilled[b : b + batch_size]
+        with torch.set_grad_enabled(grad), attention_prefilled(lengths):
             h = hidden_states(model, ids, mask)[:, :-1]  # position t predicts token t+1
             targets = ids[:, 1:]
             flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
