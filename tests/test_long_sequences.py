@@ -89,11 +89,13 @@ def test_a_sequence_over_several_kv_tiles_scores_bit_for_bit_as_the_engine(narro
     tile = kv_tile(prefill_q_tile(head_dim, attention.l2_cache_bytes()), head_dim, attention.l2_cache_bytes())
     length = min(2 * tile + 160, model.config.max_position_embeddings - 64)
     ids = torch.randint(10, model.config.vocab_size - 10, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = ids[: length - 24]
     with Engine(narrow_model, mode="eager") as engine:
         align_to_engine(model, engine, n_sequences=8)
-        rescored = engine.score([ids])[0].token_logprobs
-        prompt = ids[: length - 24]
+        # sampled first: the prompt's KV blocks must not come from the prefix cache of an earlier request (which starts
+        # the prefill mid-prompt); re-scoring (prompt logprobs) computes every position whatever is cached
         sample = engine.sample([prompt], n=1, max_tokens=24, seed=1)[0][0]
+        rescored = engine.score([ids])[0].token_logprobs
     assert torch.equal(torch.from_numpy(token_logprobs(model, [ids])[0]), torch.from_numpy(rescored)), describe()
     trained = token_logprobs(model, [sample.ids], prefilled=[len(prompt)])[0][len(prompt) - 1 :]
     assert np.array_equal(trained, sample.logprobs), describe()
