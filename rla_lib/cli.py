@@ -75,7 +75,8 @@ def cmd_measure(args) -> int:
     df = mismatch_report.summary(run, modes, n_boot=args.n_boot, seed=args.seed)
     advice = mismatch_report.advice(df)
     out.mkdir(parents=True, exist_ok=True)
-    params = dict(model=str(spec.path), prompts=str(Path(args.prompts).resolve()), n_prompts=len(ids), modes=list(modes),
+    # the model and prompts as given (a checkpoint's path on this machine means nothing on another)
+    params = dict(model=args.model, prompts=args.prompts, n_prompts=len(ids), modes=list(modes),
                   n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed, n_boot=args.n_boot, advice=advice)
     save_table(df, "measure", params, out)
     print(f"{spec.path.name}: {len(ids)} prompts x {args.samples} samples, up to {args.max_tokens} tokens; KL in nats per "

@@ -212,7 +212,7 @@ def block_measure() -> str:
                          *[_measure_change(g.loc[side]) for side in ("RoPE only", "the paper's three regions", "engine-aligned")]])
         advice += [f"{model}: {line}" for line in meta["params"]["advice"] if not line.startswith(" ")]
     p = metas[0]["params"]
-    setting = (f"_`rla measure` on `{Path(p['prompts']).relative_to(ROOT)}` ({p['n_prompts']} prompts x {p['n_samples']} samples "
+    setting = (f"_`rla measure` on `{p['prompts']}` ({p['n_prompts']} prompts x {p['n_samples']} samples "
                f"of up to {p['max_tokens']} tokens; exact KL in nats per token; changes paired against stock on the same "
                f"tokens, 95% intervals over prompts). Its advice:_")
     sources = [source(f"measure-{m}/measure", meta) for m, meta in zip(MEASURE_MODELS, metas)]
