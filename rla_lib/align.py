@@ -81,7 +81,7 @@ import inspect
 import sys
 import types
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -544,6 +544,7 @@ def align(
     model: nn.Module,
     regions: Iterable[str] | str = REGIONS,
     *,
+    replace: bool = False,
     options: AlignOptions | None = None,
     **option_kwargs,
 ) -> Alignment:
@@ -551,10 +552,11 @@ def align(
 
     `regions` is a subset of `ALL_REGIONS` (default: the paper's `REGIONS`); options come as keyword
     arguments (or one `AlignOptions`).
-    Replaces any previous alignment of the model (if this raises, the model is left stock).
-    Returns a handle; `handle.undo()` restores stock.
+    A model already aligned is refused, naming its alignment, unless `replace=True` (if this raises, the model is
+    left stock). Returns a handle; `handle.undo()` restores stock.
     """
     family, base = _family_and_base(model)
+    refuse_if_aligned(base, replace)
     _check_dtype(base)
     release = _check_stock_source(family)
     _check_modules(family, base)
@@ -605,19 +607,25 @@ def align(
     return handle
 
 
+def refuse_if_aligned(model: nn.Module, replace: bool = False) -> None:
+    handle = getattr(_family_and_base(model)[1], _STATE_ATTR, None)
+    if handle is not None and not replace:
+        changed = {k: v for k, v in asdict(handle.options).items() if v != getattr(AlignOptions(), k)}
+        raise ValueError(f"this model is already aligned (regions {handle.regions}, options {changed or 'default'}): "
+                         "undo that first (handle.undo() or rla_lib.align.unalign(model)), or pass replace=True")
+
+
 def unalign(model: nn.Module) -> None:
     """Restore the stock forwards of `model`, whatever its current alignment (no-op if none)."""
     _, base = _family_and_base(model)
-    handle = getattr(base, _STATE_ATTR, None)
-    if handle is not None:
+    if (handle := getattr(base, _STATE_ATTR, None)) is not None:
         handle.undo()
 
 
 def current(model: nn.Module) -> tuple[tuple[str, ...], AlignOptions] | None:
     """The model's current (regions, options), or None if it runs stock."""
     _, base = _family_and_base(model)
-    handle = getattr(base, _STATE_ATTR, None)
-    return None if handle is None else (handle.regions, handle.options)
+    return None if (handle := getattr(base, _STATE_ATTR, None)) is None else (handle.regions, handle.options)
 
 
 @contextlib.contextmanager
@@ -628,15 +636,14 @@ def aligned(
     options: AlignOptions | None = None,
     **option_kwargs,
 ) -> Iterator[Alignment]:
-    """`align` for the duration of a `with` block; the previous state comes back even on exception."""
+    """`align` for a `with` block, replacing any alignment the model has, which comes back even on exception."""
     previous = current(model)
-    handle = align(model, regions, options=options, **option_kwargs)
+    handle = align(model, regions, replace=True, options=options, **option_kwargs)
     try:
         yield handle
     finally:
-        if previous is None:
-            unalign(model)
-        else:
+        unalign(model)
+        if previous is not None:
             align(model, previous[0], options=previous[1])
 
 

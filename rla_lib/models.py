@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from .machine import engine_core_environment, use_bf16_matmul
 from .paths import MODELS_DIR
+from .settings import setting
 
 EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny",
                    "qwen3-tiny-steps": MODELS_DIR / "qwen3-tiny-steps"}  # the last: long answers (task "steps")
@@ -141,8 +142,8 @@ def concurrent_processes(models) -> int:
     anything with a real vocabulary (a real checkpoint's engine can take most of the memory). Concurrency changes
     no bit: a cold `make run-all` with it gave every result table of notebooks 02-07 bitwise as one at a time did.
     RLA_PROCESSES=<n> overrides (1: one at a time; `make test` sets it, its test processes already fill the cores)."""
-    if "RLA_PROCESSES" in os.environ:
-        return max(1, int(os.environ["RLA_PROCESSES"]))
+    if setting("RLA_PROCESSES"):
+        return max(1, int(setting("RLA_PROCESSES")))
     small = all(resolve_model(m).small_vocab for m in models)
     return 2 if small and (os.cpu_count() or 1) >= 2 else 1
 

@@ -72,6 +72,11 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
     rollout_corr/rollout_is_ratio_fraction_low, _std, _eff_sample_size, _seq_*   -   not computed here
     -                                    mismatch/exact_kl, k1_per_sequence, k3_per_sequence, abs_diff_max,
                                          tis_weight_mean   (verl has no counterpart)
+
+`also_as=("verl",)` (or "trl") logs the keys that are the same quantity under that trainer's names too (`ALSO_AS`):
+verl's rollout_corr/kl and k3_kl (equal while no |d| exceeds 20, where some verl releases clamp log rho), TRL's
+sampling/sampling_logp_difference/mean and /max (equal on one process; across processes TRL averages each process's
+mean, these pool the tokens).
 """
 
 from __future__ import annotations
@@ -91,6 +96,22 @@ _COUNTS = ("tokens", "sequences", "nonfinite")
 _TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "tis_weight_mean", "is_ratio_above_cap", "exact_kl")
 _SEQUENCE_MEANS = ("k1_per_sequence", "k3_per_sequence", "seq_is_ratio_above_cap", "exact_kl_per_sequence")
 _MAXIMA, _MINIMA = ("abs_diff_max", "is_ratio_max"), ("is_ratio_min",)
+# our key -> another trainer's key for the same quantity on the same masked tokens (the tables above: "equal")
+ALSO_AS = {
+    "verl": {"k1": "rollout_corr/kl", "k3": "rollout_corr/k3_kl"},
+    "trl": {"abs_diff_mean": "sampling/sampling_logp_difference/mean",
+            "abs_diff_max": "sampling/sampling_logp_difference/max"},
+}
+
+
+def with_names_of(metrics: dict[str, float], trainers=()) -> dict[str, float]:
+    """`metrics` and, for each trainer in `trainers` ("verl", "trl"), its keys that are the same quantity."""
+    unknown = set(trainers) - set(ALSO_AS)
+    if unknown or isinstance(trainers, str):
+        raise ValueError(f"also_as takes a tuple of {', '.join(ALSO_AS)}; got {trainers!r}")
+    aliases = {theirs: metrics[PREFIX + ours] for name in trainers for ours, theirs in ALSO_AS[name].items()
+               if PREFIX + ours in metrics}
+    return metrics | aliases
 
 
 def _masked_rows(x: torch.Tensor, keep: torch.Tensor) -> list[np.ndarray]:
@@ -137,7 +158,7 @@ def across_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
 
 def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.Tensor, mask: torch.Tensor,
                      inference_full: torch.Tensor | None = None, training_full: torch.Tensor | None = None,
-                     tis_cap: float = TIS_CAP, across: bool | None = None) -> dict[str, float]:
+                     tis_cap: float = TIS_CAP, across: bool | None = None, also_as=()) -> dict[str, float]:
     """The mismatch metrics of one batch (keys and units in the module docstring).
 
     inference_logprobs, training_logprobs, mask: (B, T), the logprob of each sampled token on each side and
@@ -145,8 +166,9 @@ def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.
     log-probabilities over the vocabulary from both sides, for mismatch/exact_kl; they are converted one
     response at a time, so memory grows with T * V, not B * T * V.
     across: pool every rank's tokens (`across_ranks`, a collective); None: where a process group of more than one
-    rank is running.
+    rank is running. also_as: trainers ("verl", "trl") whose keys for the same quantities are added (`ALSO_AS`).
     """
+    with_names_of({}, also_as)  # a bad name fails before any work
     if not (inference_logprobs.shape == training_logprobs.shape == mask.shape) or mask.dim() != 2:
         raise ValueError(f"logprobs and mask must share one (B, T) shape: {tuple(inference_logprobs.shape)}, "
                          f"{tuple(training_logprobs.shape)}, {tuple(mask.shape)}")
@@ -167,7 +189,8 @@ def mismatch_metrics(inference_logprobs: torch.Tensor, training_logprobs: torch.
     summary = mismatch_summary(_masked_rows(inference_logprobs, keep), _masked_rows(training_logprobs, keep),
                                *(full or (None, None)), tis_cap=tis_cap)
     metrics = {PREFIX + k: float(v) for k, v in summary.items()} | {PREFIX + "nonfinite": float(nonfinite)}
-    return across_ranks(metrics) if (distributed() if across is None else across) else metrics
+    metrics = across_ranks(metrics) if (distributed() if across is None else across) else metrics
+    return with_names_of(metrics, also_as)
 
 
 def combine(records: list[dict[str, float]]) -> dict[str, float]:
@@ -192,8 +215,9 @@ class MismatchMeter:
         logger.log(meter.flush())                                       # every logging step: combined, then reset
     """
 
-    def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None):
-        self.tis_cap, self.across = tis_cap, across  # across: as in `mismatch_metrics`
+    def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None, also_as=()):
+        with_names_of({}, also_as)
+        self.tis_cap, self.across, self.also_as = tis_cap, across, tuple(also_as)  # as in `mismatch_metrics`
         self.pending: list[dict[str, float]] = []
 
     def record(self, inference_logprobs, training_logprobs, mask, inference_full=None, training_full=None) -> dict:
@@ -203,9 +227,10 @@ class MismatchMeter:
         return metrics
 
     def flush(self) -> dict[str, float]:
-        """The steps recorded since the last flush, combined (`combine`); empty if none had tokens."""
+        """The steps recorded since the last flush, combined (`combine`), with the `also_as` names; empty if none
+        had tokens."""
         out, self.pending = combine(self.pending), []
-        return out
+        return with_names_of(out, self.also_as) if out else out
 
 
 class MismatchCallback(MismatchMeter, TrainerCallback):

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .paths import ROOT
+from .settings import setting
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 CACHE_DIR = ROOT / ".cache" / "native"
@@ -45,7 +46,7 @@ def _cpu_id() -> str:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None: no C compiler or a failed build (with a warning saying so), or RLA_NATIVE=0."""
-    if os.environ.get("RLA_NATIVE", "1") == "0":
+    if setting("RLA_NATIVE") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

@@ -13,14 +13,16 @@ so a quick test run never overwrites the figures of a full `make run-all`).
 import os
 from pathlib import Path
 
+from .settings import setting
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 IN_CHECKOUT = (PACKAGE_DIR.parent / "pyproject.toml").is_file() and (PACKAGE_DIR.parent / "data").is_dir()
 USER_HOME = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rla"
-ROOT = PACKAGE_DIR.parent if IN_CHECKOUT else Path(os.environ.get("RLA_HOME") or USER_HOME)
+ROOT = PACKAGE_DIR.parent if IN_CHECKOUT else Path(setting("RLA_HOME") or USER_HOME)
 DATA_DIR = ROOT / "data" if IN_CHECKOUT else PACKAGE_DIR / "_data"
 MODELS_DIR = DATA_DIR / "models"
-FIGURES_DIR = Path(os.environ.get("RLA_FIGURES_DIR", ROOT / "figures"))
-RESULTS_DIR = Path(os.environ.get("RLA_RESULTS_DIR", ROOT / "results"))
+FIGURES_DIR = Path(setting("RLA_FIGURES_DIR") or ROOT / "figures")
+RESULTS_DIR = Path(setting("RLA_RESULTS_DIR") or ROOT / "results")
 
 
 def slug(name: str) -> str:

@@ -6,9 +6,9 @@ inside a Jupyter kernel (JupyterLab, where `tqdm.auto` draws a widget), unless R
 tests stay quiet unless they ask. Progress only: no numerics here.
 """
 
-import os
-
 from tqdm.auto import tqdm
+
+from .settings import setting
 
 
 def in_kernel() -> bool:
@@ -24,7 +24,7 @@ def in_kernel() -> bool:
 def wanted(progress: bool | None) -> bool:
     """`progress` resolved: None means "in a Jupyter kernel, unless RLA_PROGRESS=0"."""
     if progress is None:
-        return in_kernel() and os.environ.get("RLA_PROGRESS", "1") != "0"
+        return in_kernel() and setting("RLA_PROGRESS") != "0"
     return bool(progress)
 
 

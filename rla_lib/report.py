@@ -16,7 +16,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -25,8 +24,9 @@ import pandas as pd
 from .kl import all_equal_bound
 from .machine import describe, machine
 from .paths import ROOT, atomic_write
+from .settings import setting
 
-TABLES_DIR = Path(os.environ.get("RLA_TABLES_DIR", ROOT / "tables"))
+TABLES_DIR = Path(setting("RLA_TABLES_DIR") or ROOT / "tables")
 
 
 CODE_PATHS = ("rla_lib", "notebooks", "benchmarks", "experiments")  # the code a table's numbers can depend on

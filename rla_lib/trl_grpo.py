@@ -46,13 +46,13 @@ import warnings
 import torch
 from datasets import Dataset
 
-from .engine import Engine, configure_environment
+from .engine import Engine, import_vllm
 from .kl import TIS_CAP
 from .models import SUPPORTED_ARCHITECTURES, load_tokenizer
 from .monitor import MismatchCallback
 from .task import Problem, make_split, reward
 
-configure_environment()  # importing trl imports vLLM, which must find the engine's settings (as engine.import_vllm)
+import_vllm()  # importing trl imports vLLM: first here, with the engine's settings (the caller's environment kept)
 with warnings.catch_warnings():  # TRL warns at import that its own vLLM modes do not support vLLM 0.32: not used here
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM", category=UserWarning)
     from trl import GRPOConfig, GRPOTrainer

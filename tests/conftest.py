@@ -6,9 +6,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 # With ATEN_CPU_CAPABILITY=avx2 (emulating an AVX2-only CPU on a newer one) compile caches must be kept apart.
-from rla_lib.machine import engine_core_environment, separate_compile_caches  # noqa: E402
+from rla_lib.machine import compile_cache_environment, engine_core_environment  # noqa: E402
 
-separate_compile_caches()
+os.environ.update(compile_cache_environment())
 # `make test` runs test processes side by side (pytest-xdist): each one's engines get a core of their own
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ.update(engine_core_environment(int(os.environ["PYTEST_XDIST_WORKER"][2:])))

@@ -530,7 +530,7 @@ def test_fused_swiglu_kernel_on_a_large_odd_shape():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_realign_replaces_and_undo_restores():
+def test_realign_is_refused_unless_asked_to_replace_and_undo_restores():
     model = build()
     input_ids, mask = batch()
     stock = logits(model, input_ids, mask)
@@ -538,7 +538,10 @@ def test_realign_replaces_and_undo_restores():
         only_swiglu = logits(model, input_ids, mask)
 
     first = rla.align(model, ("rope", "residual_norm"))
-    second = rla.align(model, ["swiglu"], norm_weight="fp32")
+    with pytest.raises(ValueError, match=r"already aligned \(regions \('rope', 'residual_norm'\), options default\).*replace=True"):
+        rla.align(model, ["swiglu"], norm_weight="fp32")
+    assert first.active  # refused: the model keeps its alignment
+    second = rla.align(model, ["swiglu"], replace=True, norm_weight="fp32")
     assert (second.regions, second.options) == (("swiglu",), rla.AlignOptions(norm_weight="fp32"))
     assert rla.current(model) == (second.regions, second.options)
     assert not first.active and second.active
@@ -576,7 +579,9 @@ def test_base_model_and_causal_lm_share_one_alignment():
     input_ids, mask = batch()
     handle = rla.align(model.model, "swiglu")
     assert rla.current(model) == (("swiglu",), rla.AlignOptions())
-    rla.align(model, "rope")
+    with pytest.raises(ValueError, match="already aligned"):  # the same model, reached through its causal LM
+        rla.align(model, "rope")
+    rla.align(model, "rope", replace=True)
     assert not handle.active
     rla.unalign(model.model)
     assert rla.current(model) is None

@@ -45,6 +45,11 @@ def test_align_to_engine_from_a_schedule_dict_and_file(tmp_path):
     assert torch.equal(logits(model), stock) and not torch.equal(aligned, stock)
     handle = align_to_engine(model, graphs.save_schedule(sched, tmp_path / "s.json"))
     assert torch.equal(logits(model), aligned)
+    with pytest.raises(ValueError, match="already aligned .*replace=True"):  # a second call says what the first did
+        align_to_engine(model, sched)
+    assert handle.active
+    handle = align_to_engine(model, sched, replace=True)
+    assert torch.equal(logits(model), aligned)
     handle.undo()
     with pytest.raises(TypeError, match="Engine, a schedule dict or a schedule file"):
         align_to_engine(model, 3)

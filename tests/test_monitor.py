@@ -43,6 +43,35 @@ def test_hand_computed_case():
     assert all(type(v) is float for v in m.values())
 
 
+def test_keys_also_under_verl_and_trl_names_equal_their_formulas():
+    """verl's rollout_corr/kl and k3_kl (verl/trainer/ppo/rollout_corr_helper.py, compute_offpolicy_metrics: its
+    old_log_prob is the training side) and TRL's sampling/sampling_logp_difference (GRPOTrainer: |old - sampling|
+    over the completion mask), computed here as they compute them, on random float64 logprobs."""
+    gen = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(4, 9, generator=gen, dtype=torch.float64) * 3
+    old = rollout + torch.randn(4, 9, generator=gen, dtype=torch.float64) * 0.1
+    mask = (torch.arange(9) < torch.tensor([[9], [4], [7], [1]])).to(torch.float64)
+
+    def masked_mean(x):
+        return float((x * mask).sum() / mask.sum())
+
+    log_ratio = old - rollout
+    verl = {"rollout_corr/kl": masked_mean(rollout - old), "rollout_corr/k3_kl": masked_mean(log_ratio.exp() - log_ratio - 1)}
+    delta = (old - rollout).abs()
+    trl = {"sampling/sampling_logp_difference/mean": masked_mean(delta),
+           "sampling/sampling_logp_difference/max": float(delta[mask.bool()].max())}
+    m = mismatch_metrics(rollout, old, mask, also_as=("verl", "trl"))
+    for key, value in (verl | trl).items():
+        assert m[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    assert m["rollout_corr/kl"] == m["mismatch/k1"]
+    assert "rollout_corr/kl" not in mismatch_metrics(rollout, old, mask)  # only where asked
+    meter = MismatchMeter(also_as=("verl",))
+    meter.record(rollout, old, mask)
+    assert meter.flush()["rollout_corr/k3_kl"] == m["mismatch/k3"]
+    with pytest.raises(ValueError, match="also_as takes a tuple of verl, trl"):
+        mismatch_metrics(rollout, old, mask, also_as="verl")
+
+
 def test_padding_is_ignored_whatever_it_holds():
     inf, train, mask = _hand_case()
     m = mismatch_metrics(inf, train, mask)

@@ -22,6 +22,7 @@ from rla_lib.paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
 from rla_lib.paths import MODELS_DIR, ROOT, atomic_write
 from rla_lib.report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci,
                             share_cell, source)
+from rla_lib.settings import TEST_VARIABLES, VARIABLES
 from rla_lib.studies import dose_response, spread
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
@@ -119,7 +120,11 @@ def block_schedule() -> str:
         rows.append(row)
     header = ["model vs vLLM mode", "stock", "paper's regions", "engine's schedule", "schedule − paper (1e-4)"]
     header += ["schedule + closest attention variant"] if att is not None else []
-    return "\n\n".join([md_table(header, rows), source("02_schedule_kl", meta)])
+    reported, total = int(k["prompts"].max()), int(meta["params"]["n_prompts"])
+    split = (f"_On {reported} held-out prompts of {total}: the closest attention variant is picked on the other "
+             f"{total - reported} (`MismatchRun.split_prompts`), so no pick is scored on the prompts it was chosen on._"
+             if reported < total else "")
+    return "\n\n".join(part for part in [md_table(header, rows), split, source("02_schedule_kl", meta)] if part)
 
 
 def block_overhead() -> str:
@@ -218,6 +223,13 @@ def block_measure() -> str:
     sources = [source(f"measure-{m}/measure", meta) for m, meta in zip(MEASURE_MODELS, metas)]
     table = md_table(["model", "engine", "stock BF16: exact KL", "RoPE only", "the paper's three regions", "engine-aligned"], rows)
     return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice), *sources])
+
+
+def block_settings() -> str:
+    """The environment variables rla_lib reads (`rla_lib.settings`), and those of the tests."""
+    rows = [[f"`{name}`", f"`{default}`" if default else "unset", what] for name, (default, what) in VARIABLES.items()]
+    rows += [[f"`{name}`", "unset", f"{what} (tests)"] for name, what in TEST_VARIABLES.items()]
+    return md_table(["variable", "default", "what it changes"], rows)
 
 
 def block_op_check() -> str:
@@ -456,6 +468,7 @@ BLOCKS = {
     "op-check": measured_by("make run-all (notebook 02)", block_op_check),
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
     "measure": measured_by("make measure-example", block_measure),
+    "settings": block_settings,
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),

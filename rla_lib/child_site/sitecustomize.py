@@ -1,6 +1,6 @@
 """Start-up of the Python processes rla_lib starts: vLLM's engine core and its workers, capped runs.
 
-`rla_lib.engine.configure_environment` and `rla_lib.machine.isa_environment` put this folder on PYTHONPATH, so
+`rla_lib.engine_process.engine_settings` (an engine's processes) and `rla_lib.machine.isa_environment` put this folder on PYTHONPATH, so
 Python runs this file first in those processes (a sitecustomize of your own elsewhere on the path is then not run
 in them; nothing here is needed by anything else).
 """

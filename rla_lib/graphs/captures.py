@@ -18,10 +18,11 @@ import torch
 
 from .. import sides
 from ..engine import Engine
-from ..machine import machine, machine_key, separate_compile_caches
+from ..machine import compile_cache_environment, machine, machine_key
 from ..models import concurrent_processes, load_model, resolve_model, side_by_side
 from ..paths import PACKAGE_DIR
 from ..progress import bar
+from ..settings import setting
 from .aten import AtenTracer, default_ids, training_graph
 from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic_write_json
 from .inductor import parse_output_code, parse_pieces
@@ -132,10 +133,10 @@ def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
     g.save(out / ("trace.json" if mode == "eager" else "lm_head_trace.json"))
     eng.sample([default_ids()], max_tokens=2)  # compiles the sampler's logprob ranking (torch.compile'd in both modes)
     eng.close()
-    if ENGINE_INDUCTOR_CACHE in os.environ:
+    if setting(ENGINE_INDUCTOR_CACHE) is not None:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        seed_compile_cache(out / "inductor_cache", os.environ[ENGINE_INDUCTOR_CACHE] or default_cache_dir())
+        seed_compile_cache(out / "inductor_cache", setting(ENGINE_INDUCTOR_CACHE) or default_cache_dir())
     return found
 
 
@@ -186,11 +187,10 @@ def capture_dir(model, engine="vllm", mode="compiled") -> Path:
 
 
 def _capture_env(engine: str, out: Path, extra: dict | None = None) -> dict:
-    separate_compile_caches()  # before reading this process's engine cache (a capped level's own)
-    env = dict(os.environ) | (extra or {})
+    env = dict(os.environ) | compile_cache_environment() | (extra or {})  # a capped level's own caches
     env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
     if engine == "vllm":
-        env[ENGINE_INDUCTOR_CACHE] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+        env[ENGINE_INDUCTOR_CACHE] = env.get("TORCHINDUCTOR_CACHE_DIR", "")
         # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE): its output code
         # goes to TORCHINDUCTOR_CACHE_DIR. With VLLM_COMPILE (GPU) vLLM's backend puts it under VLLM_CACHE_ROOT.
         # Fresh directories make the compile cold, so the code is (re)generated here.
