@@ -38,3 +38,22 @@ def test_the_worker_refuses_to_run_uncapped_as_another_level(monkeypatch):
     other = [level for level in machine.ISA_LEVELS if level != machine.isa_level()][0]
     with pytest.raises(SystemExit, match="isa_environment"):
         spread.main(["qwen3-tiny", "--level", other])
+
+
+def test_the_matmul_control_runs_only_where_it_differs_from_its_level(monkeypatch):
+    """The control is the first level with FP32 products: at a level without BF16 instructions (avx2, every machine
+    of this kind has it) or with RLA_BF16_MATMUL=fp32 it would repeat that level, so it is left out."""
+    import pandas as pd
+
+    phases = []
+    monkeypatch.setattr(spread, "side_by_side", lambda run, jobs, processes: phases.append(jobs) or [pd.DataFrame()])
+    spread.measure(["qwen3-tiny"], levels=["avx2"], matmul_control=True)
+    assert [[label for _, _, label, _ in jobs] for jobs in phases] == [["avx2"]]
+    phases.clear()
+    monkeypatch.setattr(spread.machine, "resolve_levels", lambda levels: ["avx512_bf16"])  # no process is started here
+    spread.measure(["qwen3-tiny"], levels=["avx512_bf16"], matmul_control=True)
+    assert [[label for _, _, label, _ in jobs] for jobs in phases] == [["avx512_bf16"], ["avx512_bf16+fp32 matmul"]]
+    phases.clear()
+    monkeypatch.setenv("RLA_BF16_MATMUL", "fp32")
+    spread.measure(["qwen3-tiny"], levels=["avx512_bf16"], matmul_control=True)
+    assert len(phases) == 1

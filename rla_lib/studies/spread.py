@@ -28,6 +28,7 @@ from ..align import REGIONS
 from ..engine import bf16_linear
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
+from ..settings import setting
 
 MODES = ("compiled", "eager")
 PAPER = mismatch.config_name(REGIONS)
@@ -98,7 +99,8 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
 
     matmul_control: also the first level with the training side's BF16 linear layers computed as FP32 products
     (`machine.use_bf16_matmul`, what the lower levels use), labelled "<level>+fp32 matmul": whether a change between
-    levels comes from the engine's kernels or from the training side's matmul."""
+    levels comes from the engine's kernels or from the training side's matmul. Left out where this CPU's own level
+    already runs FP32 products (a CPU without BF16 instructions): it would repeat that level."""
     levels = machine.resolve_levels(levels)
     processes = concurrent_processes(models)
 
@@ -118,7 +120,10 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     # share of the cores (the thread count changes no bit of it; oversubscribed threads would wait on each other). The
     # control comes after them: it reuses the first level's engine captures, samples and scores.
     jobs = [[(model, level, level, {}) for level in levels for model in models]]
-    if matmul_control:
+    # where the first level's training side multiplies as FP32 products already (no BF16 instructions at that level,
+    # as machine.native_bf16 decides, or RLA_BF16_MATMUL=fp32), the control would repeat it
+    repeats = levels[0] not in ("amx", "avx512_bf16") or setting("RLA_BF16_MATMUL") == "fp32"
+    if matmul_control and not repeats:
         jobs.append([(model, levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}) for model in models])
     frames = [frame for phase in jobs for frame in side_by_side(run, phase, processes)]
     return pd.concat(frames, ignore_index=True)
