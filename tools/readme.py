@@ -23,7 +23,7 @@ from rla_lib.paths import MODELS_DIR, ROOT, atomic_write
 from rla_lib.report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci,
                             share_cell, source)
 from rla_lib.settings import TEST_VARIABLES, VARIABLES
-from rla_lib.studies import dose_response, spread
+from rla_lib.studies import collapse, dose_response, spread
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
@@ -359,6 +359,47 @@ def block_grpo_sweep() -> str:
     return "\n\n".join([head, md_table(header, rows), sweep, source("06_sweep", meta)])
 
 
+def block_collapse() -> str:
+    rates, meta = load_table("06_collapse")
+    design, _ = load_table("06_collapse_design")
+    rates = rates.set_index(["sweep", "config"])
+    arms = [a for a in ("default BF16", "all three", "engine schedule", "FP32 control") if a in rates.index.get_level_values(1)]
+    rows = []
+    for sweep in dict.fromkeys(rates.index.get_level_values(0)):
+        g = rates.loc[sweep]
+        cells = [f"{int(g.loc[a, 'collapses'])}/{int(g.loc[a, 'seeds'])} [{g.loc[a, 'ci_low']:.0%}, {g.loc[a, 'ci_high']:.0%}]"
+                 if a in g.index else "" for a in arms]
+        shown = g.loc[[a for a in arms if a in g.index]]
+        rose = f"{int(shown['rose_first'].sum())}/{int(shown['seeds'].sum())}"
+        rows.append([sweep, *cells, rose, collapse.verdict(rates, sweep)])
+    d = design["value"].to_dict() if "quantity" not in design.columns else design.set_index("quantity")["value"].to_dict()
+    flat = design[design["quantity"].str.startswith("flat runs called")] if "quantity" in design.columns else design
+    collapsed = flat[flat["quantity"].str.contains("collapsed")]
+    degraded = flat[flat["quantity"].str.contains("degraded")]
+    runs = int(meta["params"]["runs"])
+    facts = [
+        "On flat runs (simulated evaluations at each schedule above, " + (
+            f"{runs:,} each) the collapse definition never fired (exact 95% upper bound {collapsed['ci_high'].max():.3%})"
+            if collapsed["value"].max() == 0 else
+            f"{runs:,} each) the collapse definition fired at most {collapsed['value'].max():.2%} of the time "
+            f"(upper bound {collapsed['ci_high'].max():.3%})") +
+        f"; the sweep's \"degraded\" flag fired in {degraded['value'].min():.1%} to {degraded['value'].max():.1%} of them.",
+        f"Seed SD of final accuracy: {d['seed SD of final accuracy']:.3f}; with 3 seeds per arm a fall smaller than "
+        f"{d['smallest detectable fall in final accuracy, 3 seeds per arm']:.3f} goes unseen "
+        f"({d['smallest detectable fall in final accuracy, 5 seeds per arm']:.3f} with 5).",
+        f"Collapses that followed a rise (the paper's pattern): {int(rates['rose_then_collapsed'].sum())} of "
+        f"{int(rates['collapses'].sum())}; the runs that collapsed fell from their starting accuracy (a step size too "
+        "large for every arm), so the paper's regime, runs that learn and then collapse, is still to be found."
+        if rates["rose_then_collapsed"].sum() == 0 else
+        f"Collapses that followed a rise (the paper's pattern): {int(rates['rose_then_collapsed'].sum())} of "
+        f"{int(rates['collapses'].sum())}.",
+        "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
+                                                     for q, v in d.items() if q.startswith("seeds per arm") and v == v) + ".",
+    ]
+    header = ["sweep", *[f"{a}: collapsed" for a in arms], "runs that rose first (peak after step 0)", "verdict"]
+    return "\n\n".join([md_table(header, rows), *facts, source("06_collapse", meta)])
+
+
 def block_dose_response() -> str:
     arms, meta = load_table("06_dose_arms")
     fits, _ = load_table("06_dose_threshold")
@@ -459,6 +500,7 @@ BLOCKS = {
     "overhead": measured_by("make bench", block_overhead),
     "grpo-sweep": block_grpo_sweep,
     "dose-response": block_dose_response,
+    "collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_collapse),
     "grpo-step": measured_by("make bench", block_grpo_step),
     "engine-start": measured_by(".venv/bin/python benchmarks/engine_start.py", block_engine_start),
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),

@@ -1,0 +1,176 @@
+"""Collapse, defined before the runs, and what a study of it can tell apart (notebook 06's collapse study).
+
+    collapse(steps, accuracies, n)              # did a run collapse, and at which step
+    false_positive_rate(p, n, steps)            # how often a flat run (nothing learned, nothing lost) is called
+                                                # collapsed, or "degraded" by `stability.accuracy_verdict`
+    fisher_one_sided(a, n_a, b, n_b)            # p-value of "arm b collapses less often than arm a"
+    seeds_for_rates(rate_a, rate_b)             # seeds per arm for that test to see rate_a vs rate_b
+    seeds_for_difference(sd, delta)             # seeds per arm to see a difference in final accuracy
+
+The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
+(`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
+evaluations. A collapse here is stricter: from some evaluation on, every evaluation is below `FRACTION` of the peak
+and below the peak by more than the noise margin; that evaluation's step is the time to collapse. The peak may be
+step 0 (the long-answer lead fell from its starting accuracy to zero): `peak_step` says whether the run rose first.
+Its false-positive rate on flat runs is computed by simulating the evaluations (the same problems per evaluation
+and schedule); on few problems it is large, which is why the study evaluates on hundreds.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+
+from .stability import NOISE_Z, accuracy_verdict, binomial_se
+
+FRACTION = 0.5  # a collapse ends below half the peak accuracy (the paper's runs fall to near zero)
+MIN_SEEDS = 5
+
+
+def collapse(steps, accuracies, n: int, fraction: float = FRACTION) -> dict:
+    """`collapsed` and `step` (the first evaluation of the stretch that stays low to the end, or None) of one run's
+    held-out evaluations (`steps` in order, step 0 before training; `n` problems each)."""
+    steps, acc = np.asarray(steps), np.asarray(accuracies, dtype=float)
+    if len(acc) == 0:
+        return dict(collapsed=False, step=None, peak_step=None)
+    peak_at = int(np.argmax(acc))
+    margin = NOISE_Z * np.hypot(binomial_se(acc[peak_at], n), binomial_se(acc, n))
+    low = (acc < fraction * acc[peak_at]) & (acc[peak_at] - acc > margin)
+    low[: peak_at + 1] = False
+    stays_low = np.logical_and.accumulate(low[::-1])[::-1]  # low here and at every later evaluation
+    first = int(np.argmax(stays_low)) if stays_low.any() else None
+    return dict(collapsed=first is not None, step=None if first is None else int(steps[first]),
+                peak_step=int(steps[peak_at]))
+
+
+def false_positive_rate(p: float, n: int, steps, runs: int = 20_000, seed: int = 0) -> dict:
+    """The share of flat runs (every evaluation Binomial(n, p) / n, nothing learned) that `collapse` calls collapsed
+    and that `accuracy_verdict` calls degraded, each with its Monte Carlo standard error and exact 95% interval."""
+    gen = np.random.default_rng(seed)
+    evaluations = gen.binomial(n, p, size=(runs, len(steps))) / n
+    counts = {"collapsed": sum(collapse(steps, a, n)["collapsed"] for a in evaluations),
+              "degraded": sum(accuracy_verdict(steps, a, n)["degraded"] for a in evaluations)}
+    out = {"runs": runs}
+    for name, k in counts.items():  # the exact interval: none of 20,000 is a bound, not a zero
+        rate, (low, high) = k / runs, clopper_pearson(int(k), runs)
+        out |= {name: rate, f"{name} se": float(np.sqrt(rate * (1 - rate) / runs)), f"{name} ci_low": low,
+                f"{name} ci_high": high}
+    return out
+
+
+def _hypergeometric(k: int, n_a: int, n_b: int, total: int) -> float:
+    """P(arm a holds k of the `total` collapses) with the margins fixed."""
+    return math.comb(n_a, k) * math.comb(n_b, total - k) / math.comb(n_a + n_b, total)
+
+
+def fisher_one_sided(a: int, n_a: int, b: int, n_b: int) -> float:
+    """Fisher's exact p-value that arm b collapses less often than arm a: a collapses in n_a seeds, b in n_b.
+    P(arm a holds a or more of the a + b collapses), the margins fixed."""
+    total = a + b
+    return float(sum(_hypergeometric(k, n_a, n_b, total) for k in range(a, min(n_a, total) + 1)))
+
+
+def fisher_power(rate_a: float, rate_b: float, n: int, alpha: float = 0.05) -> float:
+    """The chance that `fisher_one_sided` rejects at `alpha` with n seeds per arm, when arm a collapses with
+    probability rate_a and arm b with rate_b (exact: every outcome enumerated)."""
+    pa = [math.comb(n, k) * rate_a**k * (1 - rate_a) ** (n - k) for k in range(n + 1)]
+    pb = [math.comb(n, k) * rate_b**k * (1 - rate_b) ** (n - k) for k in range(n + 1)]
+    return float(sum(pa[a] * pb[b] for a in range(n + 1) for b in range(n + 1)
+                     if fisher_one_sided(a, n, b, n) <= alpha))
+
+
+def seeds_for_rates(rate_a: float, rate_b: float, alpha: float = 0.05, power: float = 0.8, most: int = 60) -> int | None:
+    """The fewest seeds per arm (at least `MIN_SEEDS`) for Fisher's one-sided test to tell rate_a from rate_b at
+    `alpha` with `power`; None if `most` are not enough."""
+    for n in range(MIN_SEEDS, most + 1):
+        if fisher_power(rate_a, rate_b, n, alpha) >= power:
+            return n
+    return None
+
+
+def seeds_for_difference(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Seeds per arm to see a difference `delta` in a per-seed quantity with seed-to-seed SD `sd` (two-sided `alpha`,
+    normal approximation), at least `MIN_SEEDS`."""
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    return max(MIN_SEEDS, math.ceil(2 * (z * sd / delta) ** 2))
+
+
+def smallest_detectable(sd: float, seeds: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest difference in a per-seed quantity `seeds_for_difference` sees with `seeds` per arm."""
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    return float(z * sd * math.sqrt(2 / seeds))
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a rate seen k times in n seeds."""
+    def at_most(j, p):  # P(X <= j) for X ~ Binomial(n, p), 0 < p < 1: falls as p grows (log terms: n may be large)
+        log_n = math.lgamma(n + 1)
+        return sum(math.exp(log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p) + (n - i) * math.log1p(-p))
+                   for i in range(j + 1))
+
+    def solve(falling, target):  # the p in [0, 1] where falling(p) = target, by bisection
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if falling(mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    tail = (1 - level) / 2
+    low = 0.0 if k == 0 else solve(lambda p: at_most(k - 1, p), 1 - tail)  # P(X >= k) = tail
+    high = 1.0 if k == n else solve(lambda p: at_most(k, p), tail)  # P(X <= k) = tail
+    return float(low), float(high)
+
+
+def collapse_rates(histories, by=("sweep", "config"), reference: str = "default BF16",
+                   problems: int | None = None) -> "pd.DataFrame":
+    """Per setting (`by`): seeds, collapses with the exact interval, median step of collapse, and Fisher's one-sided
+    p-value of fewer collapses than `reference` at the same `by[:-1]` (e.g. the same sweep). `problems`: per
+    evaluation, for histories without an `eval_prompts` column (the settings search's sidecar has it)."""
+    import pandas as pd
+
+    rows = []
+    for run, h in histories.groupby("run", sort=False):
+        ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
+        n = int(h["eval_prompts"].dropna().iloc[0]) if h["eval_prompts"].notna().any() else problems
+        if n is None:
+            raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
+        out = collapse(ev["step"], ev["eval_accuracy"], n)
+        rose = out["peak_step"] not in (None, 0)
+        rows.append({**{b: h[b].iloc[0] for b in by}, "collapsed": out["collapsed"], "step": out["step"],
+                     "rose first": rose, "rose then collapsed": rose and out["collapsed"]})
+    runs = pd.DataFrame(rows)
+    table = runs.groupby(list(by), sort=False).agg(seeds=("collapsed", "size"), collapses=("collapsed", "sum"),
+                                                   rose_first=("rose first", "sum"),
+                                                   rose_then_collapsed=("rose then collapsed", "sum"),
+                                                   median_step=("step", "median"))
+    table[["ci_low", "ci_high"]] = [clopper_pearson(int(k), int(n)) for k, n in zip(table["collapses"], table["seeds"])]
+    ref = {key[:-1]: row for key, row in table.iterrows() if key[-1] == reference}
+    table["p fewer than " + reference] = [
+        fisher_one_sided(int(ref[key[:-1]]["collapses"]), int(ref[key[:-1]]["seeds"]), int(row["collapses"]), int(row["seeds"]))
+        if key[:-1] in ref and key[-1] != reference else float("nan") for key, row in table.iterrows()]
+    return table
+
+
+ALIGNED_ARMS = ("rope", "all three", "engine schedule")
+
+
+def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "FP32 control",
+            alpha: float = 0.05) -> str:
+    """One sweep's answer from its `collapse_rates` rows: "reproduces the paper" only where an aligned arm collapses
+    less often than `reference` beyond chance; "step size, not mismatch" where `control` (no mismatch) collapses and
+    is not told apart from `reference`; else what the seeds cannot tell."""
+    g = rates.loc[sweep]
+    ref = g.loc[reference]
+    if ref["collapses"] == 0:
+        return f"default BF16 did not collapse (0 of {int(ref['seeds'])} seeds)"
+    p = g[f"p fewer than {reference}"]
+    fewer = [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]
+    if fewer:
+        return f"reproduces the paper: {', '.join(fewer)} collapse less often than default BF16 (Fisher p < {alpha})"
+    counts = f"default BF16 {int(ref['collapses'])}/{int(ref['seeds'])}"
+    if control in g.index and g.loc[control, "collapses"] > 0 and p[control] >= alpha:
+        c = g.loc[control]
+        return f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
+    return f"cannot tell with {int(ref['seeds'])} seeds: {counts}, no arm fewer beyond chance"

@@ -1,0 +1,106 @@
+"""rla_lib.studies.collapse: the collapse definition, its false-positive rate, and the seeds a comparison needs."""
+
+import itertools
+import math
+
+import pytest
+
+from rla_lib.studies import collapse as c
+from rla_lib.studies.stability import accuracy_verdict
+
+STEPS = [0, 25, 50, 75, 100, 125]
+
+
+def test_a_rise_then_a_fall_that_stays_down_is_a_collapse_at_its_first_low_evaluation():
+    out = c.collapse(STEPS, [0.4, 0.6, 0.7, 0.1, 0.05, 0.02], n=256)
+    assert out == dict(collapsed=True, step=75, peak_step=50)
+    assert c.collapse(STEPS[:4], [0.4, 0.7, 0.7, 0.1], n=256)["step"] == 75  # the last evaluation alone
+
+
+def test_a_dip_that_recovers_or_a_fall_within_noise_is_not():
+    assert not c.collapse(STEPS[:5], [0.4, 0.7, 0.2, 0.7, 0.7], n=256)["collapsed"]
+    assert not c.collapse(STEPS[:4], [0.4, 0.7, 0.4, 0.36], n=256)["collapsed"]  # beyond noise, not below half
+    assert not c.collapse(STEPS[:3], [0.05, 0.08, 0.03], n=64)["collapsed"]  # below half, within noise
+    assert not c.collapse([], [], n=64)["collapsed"]
+
+
+def test_the_simulated_false_positive_rates_match_exact_enumeration():
+    """Three evaluations of 6 problems at p = 0.5 (343 outcomes): the Monte Carlo rates against the exact sums,
+    within 4 of their standard errors."""
+    n, p, steps = 6, 0.5, [0, 1, 2]
+    pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+    exact = {"collapsed": 0.0, "degraded": 0.0}
+    for ks in itertools.product(range(n + 1), repeat=len(steps)):
+        weight = math.prod(pmf[k] for k in ks)
+        acc = [k / n for k in ks]
+        exact["collapsed"] += weight * c.collapse(steps, acc, n)["collapsed"]
+        exact["degraded"] += weight * accuracy_verdict(steps, acc, n)["degraded"]
+    simulated = c.false_positive_rate(p, n, steps, runs=20_000)
+    assert min(exact.values()) > 0.01  # both fire often on so few problems: the comparison has something to check
+    for key in exact:
+        assert abs(simulated[key] - exact[key]) <= 4 * simulated[f"{key} se"] + 1e-12, key
+
+
+def test_fisher_one_sided_exact_values():
+    assert c.fisher_one_sided(5, 5, 0, 5) == pytest.approx(1 / math.comb(10, 5), rel=1e-12)
+    assert c.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1.0, rel=1e-12)
+    assert c.fisher_one_sided(3, 5, 3, 5) == pytest.approx(sum(math.comb(5, k) * math.comb(5, 6 - k) for k in (3, 4, 5))
+                                                         / math.comb(10, 6), rel=1e-12)
+
+
+def test_fishers_test_keeps_its_size_and_the_seed_count_reaches_the_power():
+    assert c.fisher_power(0.5, 0.5, 8) <= 0.05  # no difference: rejects at most alpha of the time (exact, conservative)
+    n = c.seeds_for_rates(0.8, 0.1)
+    assert n is not None and c.fisher_power(0.8, 0.1, n) >= 0.8
+    assert n == c.MIN_SEEDS or c.fisher_power(0.8, 0.1, n - 1) < 0.8
+    assert c.seeds_for_rates(0.3, 0.25, most=20) is None
+
+
+def test_seeds_for_a_difference_in_final_accuracy():
+    z = 1.959963984540054 + 0.8416212335729143
+    assert c.seeds_for_difference(0.032, 0.05) == math.ceil(2 * (z * 0.032 / 0.05) ** 2)
+    assert c.seeds_for_difference(0.001, 0.5) == c.MIN_SEEDS
+    n = c.seeds_for_difference(0.032, 0.03)
+    assert c.smallest_detectable(0.032, n) <= 0.03 < c.smallest_detectable(0.032, n - 1)
+
+
+def test_clopper_pearson_known_values():
+    assert c.clopper_pearson(0, 5) == (0.0, pytest.approx(1 - 0.025 ** (1 / 5), abs=1e-12))  # (alpha/2)^(1/n)
+    assert c.clopper_pearson(5, 5) == (pytest.approx(0.025 ** (1 / 5), abs=1e-12), 1.0)
+    low, high = c.clopper_pearson(3, 10)  # the textbook values 0.0667, 0.6525
+    assert low == pytest.approx(0.06673951, abs=1e-7) and high == pytest.approx(0.65245285, abs=1e-7)
+
+
+def test_collapse_rates_from_histories():
+    import pandas as pd
+
+    def run(name, config, accuracies):
+        return pd.DataFrame({"run": name, "sweep": "s", "config": config, "eval_prompts": 256,
+                             "step": STEPS[:len(accuracies)], "eval_accuracy": accuracies})
+
+    falls, holds = [0.4, 0.6, 0.1, 0.0], [0.4, 0.6, 0.62, 0.6]
+    h = pd.concat([run(f"d{i}", "default BF16", falls) for i in range(5)]
+                  + [run(f"a{i}", "aligned", holds) for i in range(5)])
+    t = c.collapse_rates(h)
+    assert t.loc[("s", "default BF16"), "collapses"] == 5 and t.loc[("s", "aligned"), "collapses"] == 0
+    assert t.loc[("s", "default BF16"), "median_step"] == 50
+    assert t.loc[("s", "aligned"), "p fewer than default BF16"] == pytest.approx(1 / math.comb(10, 5))
+
+
+def test_the_verdict_follows_the_counts_and_fishers_test():
+    import pandas as pd
+
+    def rates(**collapses):  # arm -> (collapses, seeds)
+        rows = {("s", arm): {"seeds": n, "collapses": k} for arm, (k, n) in collapses.items()}
+        t = pd.DataFrame(rows).T
+        ref = collapses["default BF16"]
+        t["p fewer than default BF16"] = [c.fisher_one_sided(ref[0], ref[1], k, n) if arm != "default BF16" else float("nan")
+                                          for arm, (k, n) in collapses.items()]
+        return t
+
+    assert c.verdict(rates(**{"default BF16": (5, 5), "all three": (0, 5)}), "s").startswith("reproduces the paper")
+    assert c.verdict(rates(**{"default BF16": (3, 3), "all three": (3, 3), "FP32 control": (3, 3)}), "s").startswith(
+        "step size, not mismatch")
+    assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
+        "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
+    assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")
