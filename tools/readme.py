@@ -372,8 +372,8 @@ def block_collapse() -> str:
         shown = g.loc[[a for a in arms if a in g.index]]
         rose = f"{int(shown['rose_first'].sum())}/{int(shown['seeds'].sum())}"
         rows.append([sweep, *cells, rose, collapse.verdict(rates, sweep)])
-    d = design["value"].to_dict() if "quantity" not in design.columns else design.set_index("quantity")["value"].to_dict()
-    flat = design[design["quantity"].str.startswith("flat runs called")] if "quantity" in design.columns else design
+    d = design.set_index("quantity")["value"].to_dict()
+    flat = design[design["quantity"].str.startswith("flat runs called")]
     collapsed = flat[flat["quantity"].str.contains("collapsed")]
     degraded = flat[flat["quantity"].str.contains("degraded")]
     runs = int(meta["params"]["runs"])

@@ -122,7 +122,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     jobs = [[(model, level, level, {}) for level in levels for model in models]]
     # where the first level's training side multiplies as FP32 products already (no BF16 instructions at that level,
     # as machine.native_bf16 decides, or RLA_BF16_MATMUL=fp32), the control would repeat it
-    repeats = levels[0] not in ("amx", "avx512_bf16") or setting("RLA_BF16_MATMUL") == "fp32"
+    repeats = levels[0] not in machine.BF16_LEVELS or setting("RLA_BF16_MATMUL") == "fp32"
     if matmul_control and not repeats:
         jobs.append([(model, levels[0], f"{levels[0]}+fp32 matmul", {"RLA_BF16_MATMUL": "fp32"}) for model in models])
     frames = [frame for phase in jobs for frame in side_by_side(run, phase, processes)]
