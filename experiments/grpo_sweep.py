@@ -60,6 +60,10 @@ COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=
               checkpoint_every=25)
 DOSES = list(arms.dose_configurations())
 NAMED = CONFIGURATIONS | arms.dose_configurations()
+# The collapse study's search for a regime that learns (issue: does BF16 mismatch cause the collapse?): the long-answer
+# task, every held-out problem every 10 steps; the FP32 control first, since without learning nothing can collapse
+STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
+LEARN = ["FP32 control", "default BF16"]
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
 GRID = [  # (tag, settings, seeds, configs)
     ("lr3e-4", dict(lr=3e-4, steps=300), (0, 1, 2), CONFIGS),
@@ -70,6 +74,8 @@ GRID = [  # (tag, settings, seeds, configs)
     ("dose-steps", dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, lr=3e-5, steps=60, eval_every=20,
                         eval_prompts=256),
      (0,), DOSE_STEPS),
+    ("hot-steps", dict(STEPS_TASK, lr=3e-4, steps=40), (0,), LEARN),
+    ("learn-steps", dict(STEPS_TASK, lr=1e-4, steps=100), (0,), LEARN),
 ]
 
 

