@@ -3,6 +3,8 @@
 import itertools
 import math
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from rla_lib.studies import collapse as c
@@ -72,7 +74,6 @@ def test_clopper_pearson_known_values():
 
 
 def test_collapse_rates_from_histories():
-    import pandas as pd
 
     def run(name, config, accuracies):
         return pd.DataFrame({"run": name, "sweep": "s", "config": config, "eval_prompts": 256,
@@ -88,7 +89,6 @@ def test_collapse_rates_from_histories():
 
 
 def test_the_verdict_follows_the_counts_and_fishers_test():
-    import pandas as pd
 
     def rates(**collapses):  # arm -> (collapses, seeds)
         rows = {("s", arm): {"seeds": n, "collapses": k} for arm, (k, n) in collapses.items()}
@@ -104,3 +104,37 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
     assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
         "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
     assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")
+
+
+def test_the_mismatch_alarm_fires_when_the_running_median_reaches_three_times_the_start():
+    steps = list(range(1, 31))
+    flat = [1.0, 1.2, 0.9, 1.1, 1.0] * 6
+    assert c.mismatch_alarm(steps, flat, floor=0.01) is None
+    rising = flat[:15] + [5.0] * 15  # the median of five turns at the third high step
+    assert c.mismatch_alarm(steps, rising, floor=0.01) == 18
+    assert c.mismatch_alarm(steps[:10], [np.nan] + [1.0] * 8 + [9.0], floor=0.01) is None  # fewer than two windows
+    one_spike = flat[:20] + [50.0] + flat[:9]  # a single spike does not move a median of five
+    assert c.mismatch_alarm(steps, one_spike, floor=0.01) is None
+    noise = [1e-9, 5e-9] * 15  # an FP32 arm: rounding noise that triples without reaching the floor
+    assert c.mismatch_alarm(steps, noise[:10] + [1e-7] * 20, floor=0.01) is None
+
+
+def test_warning_signs_count_warned_collapses_and_false_alarms():
+    def run(name, accuracies, mismatch):
+        steps = np.arange(0, 31)
+        acc = np.full(31, np.nan)
+        acc[::10] = accuracies
+        return pd.DataFrame({"run": name, "sweep": "s", "config": name.split("-")[0], "step": steps,
+                             "eval_accuracy": acc, "eval_prompts": 512, "k3": [np.nan] + mismatch})
+
+    calm, rise = [1.0] * 30, [1.0] * 12 + [10.0] * 18  # rise: alarm at step 15
+    h = pd.concat([run("a-1", [0.4, 0.6, 0.05, 0.01], rise),  # rose, collapse seen at 20, alarm at 15: warned, lead 5
+                   run("a-2", [0.4, 0.6, 0.6, 0.02], calm),  # collapsed at 30 without an alarm
+                   run("b-1", [0.4, 0.5, 0.5, 0.5], rise),  # an alarm, no collapse
+                   run("b-2", [0.4, 0.5, 0.5, 0.5], calm)])
+    signs = c.warning_signs(h, "k3").set_index("run")
+    assert signs.loc["a-1", ["collapsed", "collapse step", "alarm step", "lead", "warned"]].tolist() == [True, 20, 15, 5, True]
+    assert not signs.loc["a-2", "warned"] and signs.loc["b-1", "false alarm"] and not signs.loc["b-2", "false alarm"]
+    summary = c.warning_summary(signs.reset_index()).loc["all runs"]
+    assert (summary["collapsed runs"], summary["warned"], summary["other runs"], summary["false alarms"]) == (2, 1, 2, 1)
+    assert summary["median lead (steps)"] == 5

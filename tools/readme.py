@@ -396,8 +396,33 @@ def block_collapse() -> str:
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
                                                      for q, v in d.items() if q.startswith("seeds per arm") and v == v) + ".",
     ]
+    warning, warning_meta = load_table("06_collapse_warning")
     header = ["sweep", *[f"{a}: collapsed" for a in arms], "runs that rose first (peak after step 0)", "verdict"]
-    return "\n\n".join([md_table(header, rows), *facts, source("06_collapse", meta)])
+    return "\n\n".join([md_table(header, rows), *facts, warning_sentence(warning, warning_meta["params"]),
+                        source("06_collapse", meta), source("06_collapse_warning", warning_meta)])
+
+
+def warning_sentence(warning, params) -> str:
+    """The warning sign's answer from `06_collapse_warning`: per mismatch column, warned collapses and false alarms."""
+    w = warning.set_index(["mismatch", "config"])
+    names = {"k3": "per token (k3)", "seq_k3": "per response (seq_k3)"}
+    parts = []
+    for column in dict.fromkeys(w.index.get_level_values(0)):
+        a = w.loc[(column, "all runs")]
+        hits = (f"it came before {int(a['warned'])} of {int(a['collapsed runs'])} collapses "
+                f"[{a['warned ci_low']:.0%}, {a['warned ci_high']:.0%}]"
+                + (f", a median {a['median lead (steps)']:.0f} steps ahead" if a["warned"] else "")
+                if a["collapsed runs"] else "no run that logged it collapsed")
+        parts.append(f"{names.get(column, column)}: {hits}; it fired in {int(a['false alarms'])} of "
+                     f"{int(a['other runs'])} runs that did not collapse [{a['false alarm ci_low']:.0%}, "
+                     f"{a['false alarm ci_high']:.0%}]")
+    text = (f"The warning sign (`collapse.mismatch_alarm`: the mismatch's median over {params['window']} steps reaches "
+            f"{params['rise']:g}x its first {params['window']} steps'), " + "; ".join(parts) + ".")
+    fp32 = w.loc[(w.index.get_level_values(0)[0], "FP32 control")] if (w.index.get_level_values(0)[0], "FP32 control") in w.index else None
+    if fp32 is not None and fp32["collapsed runs"] > 0:
+        text += (f" The FP32 control, with no mismatch to rise, collapsed {int(fp32['collapsed runs'])} times: here a "
+                 "rising gap went with a collapse, it was not needed for one.")
+    return text
 
 
 def block_dose_response() -> str:

@@ -6,6 +6,8 @@
     fisher_one_sided(a, n_a, b, n_b)            # p-value of "arm b collapses less often than arm a"
     seeds_for_rates(rate_a, rate_b)             # seeds per arm for that test to see rate_a vs rate_b
     seeds_for_difference(sd, delta)             # seeds per arm to see a difference in final accuracy
+    mismatch_alarm(steps, mismatch)             # the step at which a run's mismatch starts rising (or None)
+    warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
 (`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
@@ -174,3 +176,67 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
         c = g.loc[control]
         return f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
     return f"cannot tell with {int(ref['seeds'])} seeds: {counts}, no arm fewer beyond chance"
+
+
+# ---- the warning sign: does the mismatch rise before accuracy falls? ------------------------------------------------
+RISE, WINDOW = 3.0, 5  # an alarm: the median over the last WINDOW steps reaches RISE x the median of the first WINDOW
+# A mismatch below its floor (an FP32 or exactly on-policy arm's rounding noise) never alarms. The history's per-token
+# columns are in 1e-4 nats (kl.UNIT): 0.01 is 1e-6 nats, about 1% of default BF16's; the per-response ones in nats.
+FLOORS = {"k3": 0.01, "exact_kl": 0.01, "seq_k3": 1e-5, "seq_exact_kl": 1e-5}
+
+
+def mismatch_alarm(steps, mismatch, floor: float, rise: float = RISE, window: int = WINDOW) -> int | None:
+    """The first training step at which the median of the last `window` steps' mismatch reaches `rise` times the
+    median of the first `window` steps (and `floor`): the practitioner's "the gap is rising". None: it never does."""
+    steps, values = np.asarray(steps), np.asarray(mismatch, dtype=float)
+    keep = ~np.isnan(values)
+    steps, values = steps[keep], values[keep]
+    if len(values) < 2 * window:
+        return None
+    threshold = max(rise * np.median(values[:window]), floor)
+    for i in range(2 * window - 1, len(values)):  # windows after the baseline's, not overlapping it
+        if np.median(values[i - window + 1: i + 1]) >= threshold:
+            return int(steps[i])
+    return None
+
+
+def warning_signs(histories, column: str = "k3", by=("sweep", "config")) -> "pd.DataFrame":
+    """Per run with `column` logged: whether it collapsed (and at which evaluation), the step its mismatch alarm
+    fired, and the lead (collapse step minus alarm step; evaluations are `eval_every` apart, so a lead is known to
+    that many steps). `warned` = the alarm fired no later than the collapse was seen; `false alarm` = it fired in a
+    run that did not collapse."""
+    import pandas as pd
+
+    rows = []
+    for run, h in histories.groupby("run", sort=False):
+        h = h.sort_values("step")
+        if column not in h or h[column].isna().all():
+            continue
+        ev = h.dropna(subset=["eval_accuracy"])
+        out = collapse(ev["step"], ev["eval_accuracy"], int(h["eval_prompts"].dropna().iloc[0]))
+        alarm = mismatch_alarm(h["step"], h[column], FLOORS[column])
+        warned = out["collapsed"] and alarm is not None and alarm <= out["step"]
+        rows.append({**{b: h[b].iloc[0] for b in by}, "run": run, "collapsed": out["collapsed"],
+                     "collapse step": out["step"], "alarm step": alarm,
+                     "lead": out["step"] - alarm if warned else float("nan"), "warned": warned,
+                     "false alarm": not out["collapsed"] and alarm is not None})
+    return pd.DataFrame(rows)
+
+
+def warning_summary(signs) -> "pd.DataFrame":
+    """Over runs (all, and per configuration): of the collapsed runs, how many the alarm warned (exact interval) and
+    the median lead; of the others, how many it alarmed in (false alarms, exact interval)."""
+    import pandas as pd
+
+    def row(g):
+        hit, miss = g[g["collapsed"]], g[~g["collapsed"]]
+        warned, false = int(hit["warned"].sum()), int(miss["false alarm"].sum())
+        w_ci = clopper_pearson(warned, len(hit)) if len(hit) else (float("nan"),) * 2
+        f_ci = clopper_pearson(false, len(miss)) if len(miss) else (float("nan"),) * 2
+        return {"collapsed runs": len(hit), "warned": warned, "warned ci_low": w_ci[0], "warned ci_high": w_ci[1],
+                "median lead (steps)": hit["lead"].median(), "other runs": len(miss), "false alarms": false,
+                "false alarm ci_low": f_ci[0], "false alarm ci_high": f_ci[1]}
+
+    rows = [{"config": "all runs", **row(signs)}]
+    rows += [{"config": config, **row(g)} for config, g in signs.groupby("config", sort=False)]
+    return pd.DataFrame(rows).set_index("config")
