@@ -67,3 +67,36 @@ def test_no_threshold_when_accuracy_does_not_fall_beyond_noise():
     mark = dict(label="BF16", value=1e-3, tokens=7)
     assert "below the threshold's lower CI bound" in dr.position_sentence(mark, found)
     assert "below the largest mismatch tested" in dr.position_sentence(mark, fit)
+
+
+def test_t_quantiles_match_the_tables():
+    for df, t in [(2, 4.302653), (4, 2.776445), (30, 2.042272)]:
+        assert dr.t_quantile(0.975, df) == pytest.approx(t, abs=1e-5)
+
+
+def test_each_arm_against_default_bf16_is_paired_by_seed():
+    runs = synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2, seeds=4, noise=0.01)
+    versus = dr.versus_reference(runs, "acc_last")
+    assert "default BF16" not in versus.index and (versus["seeds"] == 4).all()
+    one_bit = versus.loc["default BF16, 1-bit rollouts"]  # 0.2 x log10(50): a fall of 0.34, far beyond the noise
+    assert one_bit["verdict"] == "lower" and one_bit["ci_low"] < one_bit["diff"] < one_bit["ci_high"] < 0
+    assert versus.loc["FP32 control", "verdict"] == "within seed noise"  # both below the breakpoint
+    # paired by seed: an arm equal to default BF16 plus a constant on every seed has a zero-width interval there
+    shifted = runs[runs["config"] == "default BF16"].assign(config="shifted", acc_last=lambda r: r["acc_last"] - 0.01)
+    v = dr.versus_reference(pd.concat([runs, shifted]), "acc_last").loc["shifted"]
+    assert v["diff"] == pytest.approx(-0.01) and v["ci_high"] - v["ci_low"] == pytest.approx(0, abs=1e-12)
+    outcomes = dict(seq_k3=runs["seq_exact_kl"], exact_kl=1.0, k3=1.0, response_len=7.0, acc_first=0.6, acc_peak=0.6,
+                    acc_worst_after_peak=runs["acc_last"], degraded=False, diverged=False)
+    arms = dr.arm_table(runs.assign(**outcomes)).set_index("config")
+    assert arms.loc["default BF16, 1-bit rollouts", "final vs default BF16 verdict"] == "lower"
+
+
+def test_the_margin_counts_seed_noise_and_a_fall_from_the_first_dose_says_so():
+    noisy = synthetic_runs(breakpoint=1e-2, fall_per_decade=0.0, noise=0.05)
+    fit = dr.threshold(noisy, n_boot=100)
+    assert fit["margin"] == pytest.approx(2 * np.sqrt(2) * dr.seed_sd(noisy, "acc_last"))
+    assert dr.seed_sd(noisy, "acc_last") > 0.03  # the planted seed noise, larger than two binomial SEs at 512 problems
+    early = dr.threshold(synthetic_runs(breakpoint=1e-4, fall_per_decade=0.2), n_boot=100)
+    assert early["found"] and early["at_lowest_dose"]
+    assert "falls from the lowest dose tested on" in dr.threshold_sentence(early, "Pooled")
+    assert not dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2), n_boot=100)["at_lowest_dose"]

@@ -429,13 +429,26 @@ def block_dose_response() -> str:
     arms, meta = load_table("06_dose_arms")
     fits, _ = load_table("06_dose_threshold")
     marks, _ = load_table("06_dose_references")
+    versus = "final vs default BF16 diff"
+    paired = versus in arms  # tables written before the paired comparison have no such column
+
+    def against(r):
+        return "" if not paired or r[f"{versus}"] != r[f"{versus}"] else (
+            f"{r[versus]:+.3f} [{r['final vs default BF16 ci_low']:+.3f}, {r['final vs default BF16 ci_high']:+.3f}] "
+            f"{r['final vs default BF16 verdict']}")
+
     rows = [[r["config"], f"{r['seq_exact_kl']:.2g} ± {r['seq_exact_kl se']:.1g}", f"{r['exact_kl']:.3g}",
              f"{r['acc_first']:.3f} → {r['acc_peak']:.3f} → {r['acc_last']:.3f} ± {r['acc_last se']:.3f}",
-             f"{r['acc_worst_after_peak']:.3f} ± {r['acc_worst_after_peak se']:.3f}",
+             f"{r['acc_worst_after_peak']:.3f} ± {r['acc_worst_after_peak se']:.3f}", against(r),
              f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}"] for _, r in arms.iterrows()]
     header = ["arm", "mismatch per response (nats)", "exact KL (1e-4/token)", "accuracy start → peak → final (± se)",
-              "worst after peak", "degraded", "diverged at once"]
-    lines = dose_response.verdict_lines(fits, marks.to_dict("records"))
+              "worst after peak", "final minus default BF16's, same seed (95% t interval)", "degraded", "diverged at once"]
+    lines = dose_response.verdict_lines(fits, marks.to_dict("records"), worst_after_peak=True)
+    if paired:
+        lower = arms[arms["final vs default BF16 verdict"] == "lower"]["config"].tolist()
+        lines.insert(0, "Against default BF16 on the same seeds: " + (
+            f"final accuracy lower beyond seed noise for {', '.join(lower)}" if lower else
+            "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds).")
     return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
                           source("06_dose_arms", meta) + " " + source("06_dose_threshold", load_table("06_dose_threshold")[1])])
 

@@ -2,6 +2,7 @@
 
     runs = run_table(histories)                 # one row per run: its dose, measured mismatch and outcome
     arms = arm_table(runs)                      # one row per arm: mean and se over seeds
+    versus_reference(runs)                      # each arm minus default BF16, paired by seed, with a t interval
     fit = threshold(runs[~runs.tis])            # where accuracy starts to fall, with a bootstrap CI
     dose_verdict(runs, fits, references)        # the sentences, computed from the numbers
 
@@ -24,6 +25,8 @@ is within noise, there is no threshold inside the tested range and the verdict s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -31,6 +34,7 @@ from .arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
 from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
+REFERENCE = "default BF16"  # the arm every other is compared with
 KIND_LABELS = {"none": "default BF16", "bits": "coarse rollout weights", "noise": "logit noise",
                "aligned": "aligned training side", "fp32": "FP32 both sides"}
 
@@ -96,7 +100,51 @@ def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
         out[m], out[m + " se"] = g[m].mean(), g[m].sem()
     out["seeds"], out["degraded"], out["diverged"] = g.size(), g["degraded"].sum().astype(int), g["diverged"].sum().astype(int)
     out["eval se"] = binomial_se(out["acc_last"], int(runs["eval_prompts"].iloc[0]))
+    if (runs["config"] == REFERENCE).any():  # each arm against default BF16, paired by seed
+        for y, name in (("acc_last", "final"), ("acc_worst_after_peak", "worst after peak")):
+            versus = versus_reference(runs, y)[["diff", "ci_low", "ci_high", "verdict"]]
+            out = out.join(versus.add_prefix(f"{name} vs {REFERENCE} "))
     return out.reset_index()
+
+
+def seed_sd(runs: pd.DataFrame, y: str) -> float:
+    """The pooled seed-to-seed SD of `y` within arms (arms with 2+ seeds; 0 where none has)."""
+    var = runs.groupby("config")[y].var(ddof=1).dropna()
+    dof = runs.groupby("config")[y].size().loc[var.index] - 1
+    return float(np.sqrt((var * dof).sum() / dof.sum())) if dof.sum() else 0.0
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (q > 0.5), by bisection on its CDF (Simpson's rule on the density)."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    density = lambda t: np.exp(log_c - (df + 1) / 2 * np.log1p(t * t / df))
+    def cdf(x):
+        t = np.linspace(0.0, x, 2001)
+        w = np.ones_like(t); w[1:-1:2], w[2:-1:2] = 4, 2
+        return 0.5 + float((w * density(t)).sum() * (x / 2000) / 3)
+    lo, hi = 0.0, 1000.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def versus_reference(runs: pd.DataFrame, y: str = "acc_last", reference: str = REFERENCE,
+                     level: float = 0.95) -> pd.DataFrame:
+    """Per arm: `y` minus the reference arm's, paired by seed (the same seed gives both arms the same prompts), the
+    mean difference and its t interval over seeds, and whether it is `lower`/`higher` beyond seed noise or `within`
+    it. With 3 seeds the t interval is wide (t = 4.3): only large falls count."""
+    ref = runs[runs["config"] == reference].set_index("seed")[y]
+    rows = []
+    for config, g in runs[runs["config"] != reference].groupby("config", sort=False):
+        d = (g.set_index("seed")[y] - ref).dropna()
+        mean = float(d.mean()) if len(d) else np.nan
+        half = t_quantile((1 + level) / 2, len(d) - 1) * float(d.std(ddof=1)) / np.sqrt(len(d)) if len(d) > 1 else np.nan
+        verdict = ("lower" if mean + half < 0 else "higher" if mean - half > 0 else "within seed noise") \
+            if np.isfinite(half) else "one seed: no interval"
+        rows.append({"config": config, "seeds": len(d), "diff": mean, "ci_low": mean - half, "ci_high": mean + half,
+                     "verdict": verdict})
+    return pd.DataFrame(rows).set_index("config")
 
 
 # ---- the threshold -------------------------------------------------------------------------------------
@@ -139,20 +187,22 @@ def threshold(runs: pd.DataFrame, x: str = "seq_exact_kl", y: str = "acc_last", 
 
     Returns the breakpoint (`threshold`, in x's units) and its bootstrap CI, the fitted fall per decade beyond it
     (`slope`), the fitted fall at the largest dose (`fall_at_max`) against the margin a fall must exceed to count
-    (`margin`: NOISE_Z-style, two binomial standard errors of a difference of two accuracies), and `found`: whether
-    the fall at the largest dose exceeds the margin. The CI resamples seeds within each arm.
+    (`margin`: NOISE_Z standard deviations of the difference between two runs' outcomes, from the seed-to-seed SD
+    within arms, evaluation noise included, or two binomial SEs where that is larger), and `found`: whether the fall
+    at the largest dose exceeds the margin. The CI resamples seeds within each arm. `at_lowest_dose`: the breakpoint
+    is the lowest dose tested, so accuracy falls from the first dose on and no breakpoint is located inside the range.
     """
     runs = runs[np.isfinite(runs[x]) & (runs[x] > 0) & np.isfinite(runs[y])]
     if runs["config"].nunique() < 3:  # a breakpoint and a slope need at least three arms
         return dict(x=x, y=y, runs=len(runs), fitted=False, found=False, threshold=np.nan, ci_low=np.nan, ci_high=np.nan, slope=0.0,
-                    plateau=float(runs[y].mean()), fall_at_max=0.0, margin=np.nan,
+                    at_lowest_dose=False, plateau=float(runs[y].mean()), fall_at_max=0.0, margin=np.nan,
                     max_tested=float(runs[x].max()) if len(runs) else np.nan, share_without_fall=np.nan)
     lx, acc = np.log10(runs[x].to_numpy(float)), runs[y].to_numpy(float)
     dosed = runs["kind"].isin(["bits", "noise"]).to_numpy()
     grid = np.linspace(lx[dosed].min() if dosed.any() else lx.min(), lx.max(), grid_points)
     _, t, a, b = _hockey_stick(lx, acc, grid)
     n = int(runs["eval_prompts"].iloc[0])
-    margin = float(NOISE_Z * np.sqrt(2) * binomial_se(a, n))
+    margin = float(NOISE_Z * np.sqrt(2) * max(seed_sd(runs, y), binomial_se(a, n)))
     fall = b * max(0.0, lx.max() - t) if np.isfinite(t) else 0.0
     found = bool(b > 0 and fall > margin)
     groups = [np.flatnonzero(runs["config"].to_numpy() == c) for c in dict.fromkeys(runs["config"])]
@@ -166,6 +216,7 @@ def threshold(runs: pd.DataFrame, x: str = "seq_exact_kl", y: str = "acc_last", 
     boot = np.array(boot)
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2], method="inverted_cdf")  # no interpolation with inf
     return dict(x=x, y=y, runs=len(runs), fitted=True, found=found, threshold=10**t if found else np.nan,
+                at_lowest_dose=bool(found and t == grid[0]),
                 ci_low=10**lo if found else np.nan, ci_high=10**hi if found and np.isfinite(hi) else np.inf if found else np.nan,
                 slope=float(b), plateau=float(a), fall_at_max=float(fall), margin=margin, max_tested=float(10 ** lx.max()),
                 share_without_fall=float(np.mean(~np.isfinite(boot))))
@@ -213,8 +264,11 @@ def threshold_sentence(fit: dict, label: str) -> str:
                 f"margin ({fit['margin']:.3f}) up to {_fmt(fit['max_tested'])} nats per response "
                 f"(fitted fall at the largest dose {fit['fall_at_max']:.3f}; {fit['runs']} runs).")
     shaky = fit["share_without_fall"] > 0.025  # the CI's upper end is "no fall at all"
-    return (f"{label}: {outcome} starts to fall at {_fmt(fit['threshold'])} nats per response "
-            f"(95% CI {_fmt(fit['ci_low'])} to {_fmt(fit['ci_high'])}), then loses {fit['slope']:.3f} per tenfold "
+    where = (f"falls from the lowest dose tested on ({_fmt(fit['threshold'])} nats per response: no breakpoint located "
+             f"inside the range; 95% CI {_fmt(fit['ci_low'])} to {_fmt(fit['ci_high'])})" if fit.get("at_lowest_dose") else
+             f"starts to fall at {_fmt(fit['threshold'])} nats per response (95% CI {_fmt(fit['ci_low'])} to "
+             f"{_fmt(fit['ci_high'])})")
+    return (f"{label}: {outcome} {where}, then loses {fit['slope']:.3f} per tenfold "
             f"more mismatch ({fit['fall_at_max']:.3f} at the largest dose, beyond the noise margin {fit['margin']:.3f}; "
             f"{fit['runs']} runs)" + (f"; not established: {fit['share_without_fall']:.0%} of seed resamples show no fall "
                                       "beyond noise." if shaky else "."))
