@@ -348,10 +348,12 @@ def block_grpo_sweep() -> str:
             row.append(f"{r['eval acc policy last mean']:.3f} ± {r['eval acc policy last se']:.3f}" if has else "")
         row.append(f"{r['k3 mean (1e-4) mean']:.3g} ± {r['k3 mean (1e-4) se']:.2g}")
         rows.append(row)
-    header = ["lr", "configuration", "degraded", "diverged at once", "held-out accuracy start → last (mean ± se over seeds)"]
+    header = ["sweep", "configuration", "degraded", "diverged at once", "held-out accuracy start → last (mean ± se over seeds)"]
     header += ["trained BF16 policy, last"] if policy else []
     header += ["mismatch k3 (1e-4/token)"]
-    head = (f"Held-out accuracy on {p.get('eval_prompts')} problems at T=1; degraded = peaked after step 0, then ended below "
+    problems = (", ".join(f"{int(n)} ({', '.join(dict.fromkeys(g['sweep']))})" for n, g in t.groupby("eval problems"))
+                if "eval problems" in t else p.get("eval_prompts"))
+    head = (f"Held-out accuracy on {problems} problems at T=1; degraded = peaked after step 0, then ended below "
             "the peak by more than two combined binomial standard errors; diverged at once = never beat step 0 and ended below it "
             "by that margin.")
     sweep = (f"_Histories: `data/grpo_sweep/{p.get('file')}` (written {str(p.get('written', '?'))[:10]}, commit "
