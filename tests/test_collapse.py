@@ -77,7 +77,8 @@ def test_collapse_rates_from_histories():
 
     def run(name, config, accuracies):
         return pd.DataFrame({"run": name, "sweep": "s", "config": config, "eval_prompts": 256,
-                             "step": STEPS[:len(accuracies)], "eval_accuracy": accuracies})
+                             "step": STEPS[:len(accuracies)], "eval_accuracy": accuracies,
+                             "max_abs_diff": [np.nan] + [0.0 if config == "aligned" else 0.01] * (len(accuracies) - 1)})
 
     falls, holds = [0.4, 0.6, 0.1, 0.0], [0.4, 0.6, 0.62, 0.6]
     h = pd.concat([run(f"d{i}", "default BF16", falls) for i in range(5)]
@@ -85,6 +86,8 @@ def test_collapse_rates_from_histories():
     t = c.collapse_rates(h)
     assert t.loc[("s", "default BF16"), "collapses"] == 5 and t.loc[("s", "aligned"), "collapses"] == 0
     assert t.loc[("s", "default BF16"), "median_step"] == 50
+    assert t.loc[("s", "aligned"), ["steps", "bitwise_steps"]].tolist() == [15, 15]  # 5 runs x 3 training steps
+    assert t.loc[("s", "default BF16"), "bitwise_steps"] == 0
     assert t.loc[("s", "aligned"), "p fewer than default BF16"] == pytest.approx(1 / math.comb(10, 5))
 
 

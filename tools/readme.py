@@ -395,6 +395,10 @@ def block_collapse() -> str:
         if rates["rose_then_collapsed"].sum() == 0 else
         f"Collapses that followed a rise (the paper's pattern): {int(rates['rose_then_collapsed'].sum())} of "
         f"{int(rates['collapses'].sum())}.",
+        ("Training steps exactly on-policy (every sampled token's training-side logprob equal to the engine's): " + "; ".join(
+            f"{config} {int(g['bitwise_steps'].sum())} of {int(g['steps'].sum())}"
+            for config, g in rates.groupby(level="config", sort=False) if config in arms) + "."
+         if "bitwise_steps" in rates else ""),
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
                                                      for q, v in d.items() if q.startswith("seeds per arm") and v == v) + ".",
     ]

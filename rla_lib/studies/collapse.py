@@ -127,8 +127,10 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 
 def collapse_rates(histories, by=("sweep", "config"), reference: str = "default BF16",
                    problems: int | None = None) -> "pd.DataFrame":
-    """Per setting (`by`): seeds, collapses with the exact interval, median step of collapse, and Fisher's one-sided
-    p-value of fewer collapses than `reference` at the same `by[:-1]` (e.g. the same sweep). `problems`: per
+    """Per setting (`by`): seeds, collapses with the exact interval, median step of collapse, training steps and how
+    many of them were exactly on-policy (`bitwise_steps`: every sampled token's training-side logprob equal to the
+    engine's, max |difference| 0), and Fisher's one-sided p-value of fewer collapses than `reference` at the same
+    `by[:-1]` (e.g. the same sweep). `problems`: per
     evaluation, for histories without an `eval_prompts` column (the settings search's sidecar has it)."""
     import pandas as pd
 
@@ -140,13 +142,16 @@ def collapse_rates(histories, by=("sweep", "config"), reference: str = "default 
             raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
         out = collapse(ev["step"], ev["eval_accuracy"], n)
         rose = out["peak_step"] not in (None, 0)
+        trained = h[h["step"] > 0]
         rows.append({**{b: h[b].iloc[0] for b in by}, "collapsed": out["collapsed"], "step": out["step"],
-                     "rose first": rose, "rose then collapsed": rose and out["collapsed"]})
+                     "rose first": rose, "rose then collapsed": rose and out["collapsed"],
+                     "steps": len(trained), "bitwise steps": int((trained["max_abs_diff"] == 0).sum())})
     runs = pd.DataFrame(rows)
     table = runs.groupby(list(by), sort=False).agg(seeds=("collapsed", "size"), collapses=("collapsed", "sum"),
                                                    rose_first=("rose first", "sum"),
                                                    rose_then_collapsed=("rose then collapsed", "sum"),
-                                                   median_step=("step", "median"))
+                                                   median_step=("step", "median"), steps=("steps", "sum"),
+                                                   bitwise_steps=("bitwise steps", "sum"))
     table[["ci_low", "ci_high"]] = [clopper_pearson(int(k), int(n)) for k, n in zip(table["collapses"], table["seeds"])]
     ref = {key[:-1]: row for key, row in table.iterrows() if key[-1] == reference}
     table["p fewer than " + reference] = [
