@@ -24,6 +24,7 @@ import pandas as pd
 from rla_lib.paths import DATA_DIR
 from rla_lib.report import save_table
 from rla_lib.studies import collapse as c
+from rla_lib.studies.stability import seed_sd
 
 HISTORIES = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
 ALPHA, POWER = 0.05, 0.8
@@ -43,13 +44,12 @@ def schedules(histories: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def seed_sd(histories: pd.DataFrame, rates: pd.DataFrame) -> tuple[float, int]:
+def calm_seed_sd(histories: pd.DataFrame, rates: pd.DataFrame) -> tuple[float, int]:
     """The pooled seed-to-seed SD of final accuracy over settings with 2+ seeds none of which collapsed."""
-    ev = histories.dropna(subset=["eval_accuracy"]).sort_values("step")
-    last = ev.groupby("run").tail(1)
+    last = histories.dropna(subset=["eval_accuracy"]).sort_values("step").groupby("run").tail(1)
     calm = rates[(rates["collapses"] == 0) & (rates["seeds"] > 1)].index
-    groups = [g["eval_accuracy"] for key, g in last.groupby(["sweep", "config"]) if key in calm]
-    return float(np.sqrt(np.mean([g.var(ddof=1) for g in groups]))), len(groups)
+    last = last[last.set_index(["sweep", "config"]).index.isin(calm)]
+    return seed_sd(last, "eval_accuracy", by=["sweep", "config"]), len(calm)
 
 
 def design(histories: pd.DataFrame, rates: pd.DataFrame, runs: int) -> pd.DataFrame:
@@ -60,7 +60,7 @@ def design(histories: pd.DataFrame, rates: pd.DataFrame, runs: int) -> pd.DataFr
                            ("degraded", "stability.accuracy_verdict, the sweep's flag")]:
             rows.append({"quantity": f"flat runs called {name}, {s.sweep} schedule", "value": fp[name],
                          "ci_low": fp[f"{name} ci_low"], "ci_high": fp[f"{name} ci_high"], "note": note})
-    sd, settings = seed_sd(histories, rates)
+    sd, settings = calm_seed_sd(histories, rates)
     rows.append({"quantity": "seed SD of final accuracy", "value": sd,
                  "note": f"pooled over {settings} settings without a collapse"})
     for seeds in (3, 5):

@@ -74,6 +74,14 @@ def test_seed_difference():
     assert diff == pytest.approx(0.15) and se == pytest.approx(0.05)
 
 
+def test_seed_sd_pools_variances_weighted_by_degrees_of_freedom():
+    runs = pd.DataFrame({"sweep": ["x"] * 5 + ["y"], "config": list("aaabbc"), "acc": [0.1, 0.2, 0.3, 0.5, 0.9, 0.4]})
+    # a: variance 0.01 on 2 dof; b: 0.08 on 1 dof; c (one seed) adds nothing
+    assert stability.seed_sd(runs, "acc") == pytest.approx(np.sqrt((2 * 0.01 + 0.08) / 3))
+    assert stability.seed_sd(runs, "acc", by=["sweep", "config"]) == pytest.approx(np.sqrt((2 * 0.01 + 0.08) / 3))
+    assert stability.seed_sd(runs[runs["config"] == "c"], "acc") == 0.0
+
+
 def short_summary(runs: dict) -> pd.DataFrame:
     return pd.DataFrame({name: stability.summarize(fake_history(acc), eval_prompts=256) for name, acc in runs.items()}).T
 

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from .arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
-from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems
+from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems, seed_sd
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
 REFERENCE = "default BF16"  # the arm every other is compared with
@@ -105,13 +105,6 @@ def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
             versus = versus_reference(runs, y)[["diff", "ci_low", "ci_high", "verdict"]]
             out = out.join(versus.add_prefix(f"{name} vs {REFERENCE} "))
     return out.reset_index()
-
-
-def seed_sd(runs: pd.DataFrame, y: str) -> float:
-    """The pooled seed-to-seed SD of `y` within arms (arms with 2+ seeds; 0 where none has)."""
-    var = runs.groupby("config")[y].var(ddof=1).dropna()
-    dof = runs.groupby("config")[y].size().loc[var.index] - 1
-    return float(np.sqrt((var * dof).sum() / dof.sum())) if dof.sum() else 0.0
 
 
 def t_quantile(q: float, df: int) -> float:

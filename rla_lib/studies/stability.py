@@ -28,6 +28,14 @@ def binomial_se(p, n: int):
     return np.sqrt(np.asarray(p) * (1 - np.asarray(p)) / n)
 
 
+def seed_sd(runs: pd.DataFrame, y: str, by="config") -> float:
+    """The pooled seed-to-seed SD of `y` (one row per run) within groups `by`, each group weighted by its degrees of
+    freedom (groups with 2+ seeds; 0 where none has)."""
+    groups = runs.groupby(by)[y]
+    var, dof = groups.var(ddof=1), groups.size() - 1
+    return float(np.sqrt((var * dof)[dof > 0].sum() / dof.sum())) if dof.sum() else 0.0
+
+
 def accuracy_verdict(steps, accuracies, n: int) -> dict:
     """Did a run degrade (rose, then fell beyond noise) or diverge at once (never improved, fell beyond noise)?
 
