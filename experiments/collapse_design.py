@@ -11,7 +11,8 @@ From `data/grpo_sweep/histories.csv.gz` (the settings search and dose study behi
   the seed-to-seed SD of final accuracy (pooled over settings none of whose seeds collapsed), the smallest fall in
   final accuracy 3 and 5 seeds can detect, and the seeds per arm for the comparisons the study makes.
 - 06_collapse_warning: the warning sign (`collapse.mismatch_alarm`: the mismatch's median over 5 steps reaches 3x its
-  first 5 steps'), per token (k3) and per response (seq_k3): of the collapsed runs, how many it warned and how many
+  first 5 steps'), for each mismatch logged (`collapse.FLOORS`: k1, k3 and exact KL per token, k3 and exact KL per
+  response): of the collapsed runs, how many it warned and how many
   steps ahead; of the others, how many it alarmed in. All runs, and per configuration.
 """
 
@@ -30,7 +31,6 @@ HISTORIES = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
 ALPHA, POWER = 0.05, 0.8
 RATES = [(0.8, 0.1), (0.5, 0.0), (1.0, 0.5)]  # collapse rates, default BF16 vs an aligned arm
 FALLS = [0.05, 0.1]  # falls in final accuracy to detect
-WARNING_COLUMNS = ["k3", "seq_k3"]  # the mismatch a trainer logs, per token and per response
 
 
 def schedules(histories: pd.DataFrame) -> pd.DataFrame:
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     save_table(rates, "06_collapse", params)
     table = design(histories, rates, args.runs)
     save_table(table, "06_collapse_design", params)
-    warning = pd.concat({column: c.warning_summary(c.warning_signs(histories, column)) for column in WARNING_COLUMNS},
+    warning = pd.concat({column: c.warning_summary(c.warning_signs(histories, column)) for column in c.FLOORS},
                         names=["mismatch"])
     save_table(warning, "06_collapse_warning", params | {"rise": c.RISE, "window": c.WINDOW, "floors": c.FLOORS})
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):

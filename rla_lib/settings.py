@@ -2,7 +2,7 @@
 
 rla_lib reads these and sets none of them in your process: importing it changes no environment variable, and what
 an engine needs in its own processes (vLLM's settings, this package's start-up code on PYTHONPATH) is set only
-while vLLM reads it (`rla_lib.engine_process.engine_settings`). The README's table is rendered from `VARIABLES`.
+while vLLM reads it (`rla_lib.engine_process.engine_settings`). The settings table of docs/guide.md is rendered from `VARIABLES`.
 """
 
 import os

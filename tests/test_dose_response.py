@@ -85,6 +85,10 @@ def test_each_arm_against_default_bf16_is_paired_by_seed():
     shifted = runs[runs["config"] == "default BF16"].assign(config="shifted", acc_last=lambda r: r["acc_last"] - 0.01)
     v = dr.versus_reference(pd.concat([runs, shifted]), "acc_last").loc["shifted"]
     assert v["diff"] == pytest.approx(-0.01) and v["ci_high"] - v["ci_low"] == pytest.approx(0, abs=1e-12)
+    # the power: (t_0.975 + t_0.8 at 3 dof) x the SD of the paired differences pooled over arms / sqrt(4 seeds)
+    ref = runs[runs["config"] == "default BF16"].set_index("seed")["acc_last"]
+    var = [(g.set_index("seed")["acc_last"] - ref).var(ddof=1) for c, g in runs.groupby("config") if c != "default BF16"]
+    assert versus["detectable"].tolist() == pytest.approx([(3.182446 + 0.978472) * np.sqrt(np.mean(var)) / 2] * 5, rel=1e-5)
     outcomes = dict(seq_k3=runs["seq_exact_kl"], exact_kl=1.0, k3=1.0, response_len=7.0, acc_first=0.6, acc_peak=0.6,
                     acc_worst_after_peak=runs["acc_last"], degraded=False, diverged=False)
     arms = dr.arm_table(runs.assign(**outcomes)).set_index("config")

@@ -1,4 +1,4 @@
-"""Every number in the README's "Measured here" comes from a committed table (tools.readme renders it)."""
+"""Every measured number in README.md and docs/ comes from a committed table (tools.readme renders it)."""
 
 import re
 
@@ -10,31 +10,36 @@ from tools import readme, readme_speed
 from rla_lib.paths import ROOT
 
 
-def measured_section(text: str) -> str:
-    start = text.index("## Measured here")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
-
-
-def test_readme_blocks_match_the_committed_tables():
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", readme.PAGES, ids=lambda p: p.name)
+def test_blocks_match_the_committed_tables(page):
+    text = page.read_text()
     rendered, changed = readme.render(text)
-    assert not changed, f"README blocks differ from tables/ (run `make readme`): {changed}"
+    assert not changed, f"{page.name}: blocks differ from tables/ (run `make readme`): {changed}"
     assert rendered == text
 
 
-def test_measured_section_has_no_hand_typed_numbers():
-    section = measured_section((ROOT / "README.md").read_text())
-    assert "<!-- rla:begin" in section
-    outside = readme.BLOCK.sub("", section)
+def test_the_results_page_has_no_hand_typed_numbers():
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert "<!-- rla:begin" in page
+    outside = readme.BLOCK.sub("", page)
     # prose may name notebooks (03_kl), units (1e-4) and counts of things in words; no measured values
     numbers = [n for n in re.findall(r"(?<![\w./-])[-+−]?\d+(?:\.\d+)?%?(?![\w-])", outside)]
-    assert not numbers, f"numbers typed into the README outside generated blocks: {numbers}"
+    assert not numbers, f"numbers typed into docs/results.md outside generated blocks: {numbers}"
 
 
-def test_every_block_has_a_renderer():
-    names = [m.group(2) for m in readme.BLOCK.finditer((ROOT / "README.md").read_text())]
-    assert names and set(names) <= set(readme.BLOCKS)
+def test_the_readme_is_short_and_points_to_the_pages():
+    """A newcomer's five minutes: what it is, the two commands, the headline results, the API, the chapters."""
+    text = (ROOT / "README.md").read_text()
+    prose = readme.BLOCK.sub("", text)
+    assert len(prose.splitlines()) <= 120, "README.md prose has grown: move the detail to docs/guide.md or docs/results.md"
+    assert "make run-all" in text and "make test" in text and all(f"`{p.relative_to(ROOT)}`" in text for p in readme.PAGES[1:])
+    chapters = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [name for name in chapters if f"`notebooks/{name}`" not in text] == []
+
+
+def test_every_block_has_a_renderer_and_is_shown():
+    names = [m.group(2) for page in readme.PAGES for m in readme.BLOCK.finditer(page.read_text())]
+    assert set(names) == set(readme.BLOCKS)
 
 
 def test_compare_interval():
@@ -183,9 +188,9 @@ def readme_settings() -> dict[str, object]:
 
 
 def test_the_whole_readme_has_no_hand_typed_figures():
-    """Outside rendered blocks and code, the README's prose uses only one-digit counts, notebook numbers, and the
-    settings, shapes and versions of `readme_settings`, each checked against the code that sets it."""
-    text = readme.BLOCK.sub("", (ROOT / "README.md").read_text())
+    """Outside rendered blocks and code, the prose of README.md and docs/ uses only one-digit counts, notebook numbers,
+    and the settings, shapes and versions of `readme_settings`, each checked against the code that sets it."""
+    text = "\n".join(readme.BLOCK.sub("", page.read_text()) for page in readme.PAGES)
     prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
     numbers = re.findall(r"(?<![\w./-])[-+−]?\d+(?:[.,]\d+)*%?(?:-\d+(?:\.\d+)?%?)?(?![\w-])", prose)
     allowed = readme_settings()
@@ -215,3 +220,24 @@ def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch)
     block = readme_speed.block_suite_repeats()
     assert "| loaded, avx2 | abc1234 def5678 | 3 | 4 | 1 | 1 | `t.py::a` (1 of 3), `t.py::b` (1 of 2) |" in block
     assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
+
+
+def test_dose_verdicts_say_what_their_tables_say():
+    """Each dose-response verdict in the README against the row it comes from: the arms called lower than default BF16
+    are exactly those whose paired interval is below zero, and a fit says "no threshold" exactly where none was found."""
+    arms, _ = report.load_table("06_dose_arms")
+    fits, _ = report.load_table("06_dose_threshold")
+    block = readme.block_dose_response()
+    if "final vs default BF16 verdict" in arms:
+        paired = arms.dropna(subset=["final vs default BF16 ci_high"])
+        for _, r in paired.iterrows():
+            expected = ("lower" if r["final vs default BF16 ci_high"] < 0 else
+                        "higher" if r["final vs default BF16 ci_low"] > 0 else "within seed noise")
+            assert r["final vs default BF16 verdict"] == expected, r["config"]
+        sentence = next(line for line in block.splitlines() if "Against default BF16 on the same seeds" in line)
+        lower = paired.loc[paired["final vs default BF16 verdict"] == "lower", "config"]
+        assert all(config in sentence for config in lower) and (len(lower) > 0) == ("lower beyond seed noise for" in sentence)
+    both = fits[(fits["kind"] == "both") & ~fits["tis"].astype(bool) & (fits["outcome"] == "acc_last")].iloc[0]
+    sentence = next(line for line in block.splitlines() if "Both kinds pooled, without TIS" in line)
+    assert ("no threshold within the tested range" in sentence) == (not both["found"])
+    assert not re.search(r"(does|did) not fall", block)  # a pooled fit cannot speak for a single arm

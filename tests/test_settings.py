@@ -1,4 +1,4 @@
-"""One settings surface: every RLA_* variable is read in rla_lib/settings.py and listed there (and so in the README);
+"""One settings surface: every RLA_* variable is read in rla_lib/settings.py and listed there (and so in docs/guide.md);
 importing rla_lib changes no environment variable of the caller."""
 
 import json
@@ -42,8 +42,8 @@ def test_setting_refuses_a_name_it_does_not_know(monkeypatch):
         setting(misspelt)
 
 
-def test_the_readme_lists_every_variable():
-    readme = (ROOT / "README.md").read_text()
+def test_the_guide_lists_every_variable():
+    readme = (ROOT / "docs" / "guide.md").read_text()
     assert [name for name in [*VARIABLES, *TEST_VARIABLES] if f"`{name}`" not in readme] == []
 
 

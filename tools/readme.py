@@ -1,6 +1,7 @@
-"""The README's measured numbers, rendered from the committed result tables (`tables/`), never typed in.
+"""The measured numbers of README.md and the pages under docs/, rendered from the committed result tables (`tables/`),
+never typed in.
 
-    python -m tools.readme           # rewrite every block of README.md from tables/
+    python -m tools.readme           # rewrite every block of every page (PAGES) from tables/
     python -m tools.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
 
 A block sits between `<!-- rla:begin NAME -->` and `<!-- rla:end NAME -->`; `BLOCKS[NAME]` renders it
@@ -28,6 +29,7 @@ from rla_lib.studies.shapley import share_is_readable
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md")  # the overview, how to, every result
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
 
 
@@ -411,7 +413,6 @@ def block_collapse() -> str:
 def warning_sentence(warning, params) -> str:
     """The warning sign's answer from `06_collapse_warning`: per mismatch column, warned collapses and false alarms."""
     w = warning.set_index(["mismatch", "config"])
-    names = {"k3": "per token (k3)", "seq_k3": "per response (seq_k3)"}
     parts = []
     for column in dict.fromkeys(w.index.get_level_values(0)):
         a = w.loc[(column, "all runs")]
@@ -419,7 +420,7 @@ def warning_sentence(warning, params) -> str:
                 f"[{a['warned ci_low']:.0%}, {a['warned ci_high']:.0%}]"
                 + (f", a median {a['median lead (steps)']:.0f} steps ahead" if a["warned"] else "")
                 if a["collapsed runs"] else "no run that logged it collapsed")
-        parts.append(f"{names.get(column, column)}: {hits}; it fired in {int(a['false alarms'])} of "
+        parts.append(f"{collapse.MISMATCH_NAMES.get(column, column)}: {hits}; it fired in {int(a['false alarms'])} of "
                      f"{int(a['other runs'])} runs that did not collapse [{a['false alarm ci_low']:.0%}, "
                      f"{a['false alarm ci_high']:.0%}]")
     text = (f"The warning sign (`collapse.mismatch_alarm`: the mismatch's median over {params['window']} steps reaches "
@@ -429,6 +430,13 @@ def warning_sentence(warning, params) -> str:
         text += (f" The FP32 control, with no mismatch to rise, collapsed {int(fp32['collapsed runs'])} times: here a "
                  "rising gap went with a collapse, it was not needed for one.")
     return text
+
+
+def detectable_clause(arms, column: str) -> str:
+    """The power of a paired comparison, from the arms' table (tables written before it was computed have none)."""
+    if column not in arms or not arms[column].notna().any():
+        return ""
+    return f"; the smallest fall these seeds find 4 times in 5 is {arms[column].max():.3f}"
 
 
 def block_dose_response() -> str:
@@ -454,7 +462,8 @@ def block_dose_response() -> str:
         lower = arms[arms["final vs default BF16 verdict"] == "lower"]["config"].tolist()
         lines.insert(0, "Against default BF16 on the same seeds: " + (
             f"final accuracy lower beyond seed noise for {', '.join(lower)}" if lower else
-            "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds).")
+            "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds)"
+            + detectable_clause(arms, "final vs default BF16 detectable") + ".")
     return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
                           source("06_dose_arms", meta) + " " + source("06_dose_threshold", load_table("06_dose_threshold")[1])])
 
@@ -584,17 +593,19 @@ def render(text: str, blocks=BLOCKS) -> tuple[str, list[str]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report blocks that are out of date (exit 1 if any)")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--pages", type=Path, nargs="*", default=PAGES, help="the pages to render (default: all)")
     args = parser.parse_args(argv)
-    text = args.readme.read_text()
-    new, changed = render(text)
+    stale = []
+    for page in args.pages:
+        new, changed = render(page.read_text())
+        stale += [f"{page.name}: {name}" for name in changed]
+        if changed and not args.check:
+            atomic_write(page, lambda tmp: tmp.write_text(new))
     if args.check:
-        if changed:
-            print(f"README blocks out of date with tables/: {', '.join(changed)}; run `make readme`", file=sys.stderr)
-        return 1 if changed else 0
-    if changed:
-        atomic_write(args.readme, lambda tmp: tmp.write_text(new))
-    print(f"README: {len(changed)} block(s) rewritten" + (f" ({', '.join(changed)})" if changed else ""))
+        if stale:
+            print(f"blocks out of date with tables/: {', '.join(stale)}; run `make readme`", file=sys.stderr)
+        return 1 if stale else 0
+    print(f"{len(stale)} block(s) rewritten" + (f" ({', '.join(stale)})" if stale else ""))
     return 0
 
 

@@ -163,6 +163,10 @@ def collapse_rates(histories, by=("sweep", "config"), reference: str = "default 
 ALIGNED_ARMS = ("rope", "all three", "engine schedule")
 
 
+def _seeds(n) -> str:
+    return f"{int(n)} seed" + ("" if int(n) == 1 else "s")
+
+
 def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "FP32 control",
             alpha: float = 0.05) -> str:
     """One sweep's answer from its `collapse_rates` rows: "reproduces the paper" only where an aligned arm collapses
@@ -171,7 +175,7 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     g = rates.loc[sweep]
     ref = g.loc[reference]
     if ref["collapses"] == 0:
-        return f"default BF16 did not collapse (0 of {int(ref['seeds'])} seeds)"
+        return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})"
     p = g[f"p fewer than {reference}"]
     fewer = [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]
     if fewer:
@@ -180,14 +184,17 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     if control in g.index and g.loc[control, "collapses"] > 0 and p[control] >= alpha:
         c = g.loc[control]
         return f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
-    return f"cannot tell with {int(ref['seeds'])} seeds: {counts}, no arm fewer beyond chance"
+    return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
 
 
 # ---- the warning sign: does the mismatch rise before accuracy falls? ------------------------------------------------
 RISE, WINDOW = 3.0, 5  # an alarm: the median over the last WINDOW steps reaches RISE x the median of the first WINDOW
 # A mismatch below its floor (an FP32 or exactly on-policy arm's rounding noise) never alarms. The history's per-token
-# columns are in 1e-4 nats (kl.UNIT): 0.01 is 1e-6 nats, about 1% of default BF16's; the per-response ones in nats.
-FLOORS = {"k3": 0.01, "exact_kl": 0.01, "seq_k3": 1e-5, "seq_exact_kl": 1e-5}
+# columns (k1 = sampled_kl, k3, exact KL) are in 1e-4 nats (kl.UNIT): 0.01 is 1e-6 nats, about 1% of default BF16's;
+# the per-response ones in nats. Every mismatch a trainer may log is a candidate warning sign.
+FLOORS = {"sampled_kl": 0.01, "k3": 0.01, "exact_kl": 0.01, "seq_k3": 1e-5, "seq_exact_kl": 1e-5}
+MISMATCH_NAMES = {"sampled_kl": "per token (k1)", "k3": "per token (k3)", "exact_kl": "per token (exact KL)",
+                  "seq_k3": "per response (k3)", "seq_exact_kl": "per response (exact KL)"}
 
 
 def mismatch_alarm(steps, mismatch, floor: float, rise: float = RISE, window: int = WINDOW) -> int | None:

@@ -102,7 +102,7 @@ def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     out["eval se"] = binomial_se(out["acc_last"], int(runs["eval_prompts"].iloc[0]))
     if (runs["config"] == REFERENCE).any():  # each arm against default BF16, paired by seed
         for y, name in (("acc_last", "final"), ("acc_worst_after_peak", "worst after peak")):
-            versus = versus_reference(runs, y)[["diff", "ci_low", "ci_high", "verdict"]]
+            versus = versus_reference(runs, y)[["diff", "ci_low", "ci_high", "verdict", "detectable"]]
             out = out.join(versus.add_prefix(f"{name} vs {REFERENCE} "))
     return out.reset_index()
 
@@ -123,20 +123,26 @@ def t_quantile(q: float, df: int) -> float:
 
 
 def versus_reference(runs: pd.DataFrame, y: str = "acc_last", reference: str = REFERENCE,
-                     level: float = 0.95) -> pd.DataFrame:
+                     level: float = 0.95, power: float = 0.8) -> pd.DataFrame:
     """Per arm: `y` minus the reference arm's, paired by seed (the same seed gives both arms the same prompts), the
     mean difference and its t interval over seeds, and whether it is `lower`/`higher` beyond seed noise or `within`
-    it. With 3 seeds the t interval is wide (t = 4.3): only large falls count."""
+    it. With 3 seeds the t interval is wide (t = 4.3): only large falls count. `detectable` is the power: the
+    smallest true difference the arm's seeds find with probability `power` (paired t, the SD of the differences
+    pooled over arms)."""
     ref = runs[runs["config"] == reference].set_index("seed")[y]
+    diffs = {config: (g.set_index("seed")[y] - ref).dropna()
+             for config, g in runs[runs["config"] != reference].groupby("config", sort=False)}
+    pooled = seed_sd(pd.DataFrame([(c, v) for c, d in diffs.items() for v in d], columns=["config", y]), y)
     rows = []
-    for config, g in runs[runs["config"] != reference].groupby("config", sort=False):
-        d = (g.set_index("seed")[y] - ref).dropna()
-        mean = float(d.mean()) if len(d) else np.nan
-        half = t_quantile((1 + level) / 2, len(d) - 1) * float(d.std(ddof=1)) / np.sqrt(len(d)) if len(d) > 1 else np.nan
+    for config, d in diffs.items():
+        n, mean = len(d), float(d.mean()) if len(d) else np.nan
+        t = t_quantile((1 + level) / 2, n - 1) if n > 1 else np.nan
+        half = t * float(d.std(ddof=1)) / np.sqrt(n) if n > 1 else np.nan
         verdict = ("lower" if mean + half < 0 else "higher" if mean - half > 0 else "within seed noise") \
             if np.isfinite(half) else "one seed: no interval"
-        rows.append({"config": config, "seeds": len(d), "diff": mean, "ci_low": mean - half, "ci_high": mean + half,
-                     "verdict": verdict})
+        detectable = (t + t_quantile(power, n - 1)) * pooled / np.sqrt(n) if n > 1 and pooled > 0 else np.nan
+        rows.append({"config": config, "seeds": n, "diff": mean, "ci_low": mean - half, "ci_high": mean + half,
+                     "verdict": verdict, "detectable": detectable})
     return pd.DataFrame(rows).set_index("config")
 
 
@@ -253,9 +259,9 @@ def threshold_sentence(fit: dict, label: str) -> str:
     if not fit.get("fitted", True):
         return f"{label}: too few arms to fit a threshold ({fit['runs']} runs)."
     if not fit["found"]:
-        return (f"{label}: no threshold within the tested range: {outcome} does not fall by more than the noise "
-                f"margin ({fit['margin']:.3f}) up to {_fmt(fit['max_tested'])} nats per response "
-                f"(fitted fall at the largest dose {fit['fall_at_max']:.3f}; {fit['runs']} runs).")
+        return (f"{label}: no threshold within the tested range: the fitted fall of {outcome} at the largest dose "
+                f"({_fmt(fit['max_tested'])} nats per response) is {fit['fall_at_max']:.3f}, within the noise margin "
+                f"({fit['margin']:.3f}; {fit['runs']} runs pooled: a single arm may still fall, see its paired comparison).")
     shaky = fit["share_without_fall"] > 0.025  # the CI's upper end is "no fall at all"
     where = (f"falls from the lowest dose tested on ({_fmt(fit['threshold'])} nats per response: no breakpoint located "
              f"inside the range; 95% CI {_fmt(fit['ci_low'])} to {_fmt(fit['ci_high'])})" if fit.get("at_lowest_dose") else
@@ -291,8 +297,9 @@ def position_sentence(mark: dict, fit: dict) -> str:
                  else f"inside or above the threshold's CI (its lower bound is {_fmt(fit['ci_low'])})")
     else:
         factor = edge / mark["value"]
-        where = (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which {OUTCOMES.get(fit.get('y'), 'accuracy')} "
-                 "did not fall beyond the noise margin" if factor > 1 else f"beyond the tested range (up to {_fmt(edge)})")
+        where = (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which the pooled fit's fall of "
+                 f"{OUTCOMES.get(fit.get('y'), 'accuracy')} was within the noise margin" if factor > 1
+                 else f"beyond the tested range (up to {_fmt(edge)})")
     return f"{mark['label']}: {_fmt(mark['value'])} nats per response ({mark['tokens']:.0f} tokens), {where}."
 
 
