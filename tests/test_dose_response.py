@@ -33,6 +33,10 @@ def test_run_outcome_reads_the_policy_accuracy_and_worst_after_peak():
     o = dr.run_outcome(history([0.5, 0.6, 0.7, 0.55, 0.58], seq_kl=0.02))
     assert (o["acc_first"], o["acc_peak"], o["peak_step"], o["acc_last"], o["acc_worst_after_peak"]) == (0.5, 0.7, 50, 0.58, 0.55)
     assert o["seq_exact_kl"] == pytest.approx(0.02) and o["degraded"] and not o["diverged"]  # 0.12 > 2 se (~0.06)
+    grown = history([0.5, 0.6, 0.7], seq_kl=0.02)
+    grown.loc[grown["step"] > 1, "seq_exact_kl"] = 0.08  # the mismatch grows once training moves the weights
+    o = dr.run_outcome(grown)
+    assert o["seq_exact_kl_start"] == pytest.approx(0.02) and o["seq_exact_kl"] > 0.07  # the dose: before any update
     coarse = dr.run_outcome(history([0.5, 0.6, 0.6], policy=[0.5, 0.4, 0.3]))  # the engine's copy is not the policy
     assert coarse["acc_last"] == 0.3 and coarse["diverged"]
 
@@ -45,7 +49,7 @@ def synthetic_runs(breakpoint, fall_per_decade, seeds=3, noise=0.01, seed=0):
     for config, x in doses.items():
         for s in range(seeds):
             acc = 0.6 - fall_per_decade * max(0.0, np.log10(x) - np.log10(breakpoint)) + noise * rng.standard_normal()
-            rows.append(dict(run=f"{config}-{s}", config=config, seed=s, **dr.arm_of(config), seq_exact_kl=x, acc_last=acc,
+            rows.append(dict(run=f"{config}-{s}", config=config, seed=s, **dr.arm_of(config), seq_exact_kl=x, seq_exact_kl_start=x, acc_last=acc,
                              eval_prompts=512))
     return pd.DataFrame(rows)
 
@@ -89,7 +93,7 @@ def test_each_arm_against_default_bf16_is_paired_by_seed():
     ref = runs[runs["config"] == "default BF16"].set_index("seed")["acc_last"]
     var = [(g.set_index("seed")["acc_last"] - ref).var(ddof=1) for c, g in runs.groupby("config") if c != "default BF16"]
     assert versus["detectable"].tolist() == pytest.approx([(3.182446 + 0.978472) * np.sqrt(np.mean(var)) / 2] * 5, rel=1e-5)
-    outcomes = dict(seq_k3=runs["seq_exact_kl"], exact_kl=1.0, k3=1.0, response_len=7.0, acc_first=0.6, acc_peak=0.6,
+    outcomes = dict(seq_k3=runs["seq_exact_kl"], seq_k3_start=runs["seq_exact_kl"], exact_kl=1.0, k3=1.0, response_len=7.0, acc_first=0.6, acc_peak=0.6,
                     acc_worst_after_peak=runs["acc_last"], degraded=False, diverged=False)
     arms = dr.arm_table(runs.assign(**outcomes)).set_index("config")
     assert arms.loc["default BF16, 1-bit rollouts", "final vs default BF16 verdict"] == "lower"

@@ -451,11 +451,12 @@ def block_dose_response() -> str:
             f"{r[versus]:+.3f} [{r['final vs default BF16 ci_low']:+.3f}, {r['final vs default BF16 ci_high']:+.3f}] "
             f"{r['final vs default BF16 verdict']}")
 
-    rows = [[r["config"], f"{r['seq_exact_kl']:.2g} ± {r['seq_exact_kl se']:.1g}", f"{r['exact_kl']:.3g}",
+    dose = dose_response.DOSE
+    rows = [[r["config"], f"{r[dose]:.2g} ± {r[dose + ' se']:.1g}", f"{r['exact_kl']:.3g}",
              f"{r['acc_first']:.3f} → {r['acc_peak']:.3f} → {r['acc_last']:.3f} ± {r['acc_last se']:.3f}",
              f"{r['acc_worst_after_peak']:.3f} ± {r['acc_worst_after_peak se']:.3f}", against(r),
              f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}"] for _, r in arms.iterrows()]
-    header = ["arm", "mismatch per response (nats)", "exact KL (1e-4/token)", "accuracy start → peak → final (± se)",
+    header = ["arm", "mismatch per response at the first step (nats)", "exact KL, run mean (1e-4/token)", "accuracy start → peak → final (± se)",
               "worst after peak", "final minus default BF16's, same seed (95% t interval)", "degraded", "diverged at once"]
     lines = dose_response.verdict_lines(fits, marks.to_dict("records"), worst_after_peak=True)
     if paired:

@@ -7,10 +7,12 @@
     dose_verdict(runs, fits, references)        # the sentences, computed from the numbers
 
 The dose is applied on the rollout side only (`arms.dose_configurations`: coarser rollout weights, or logit
-noise in the engine's sampler); the trained policy stays BF16. The x axis is what the run *measured*, not the
-knob: the mismatch per response, the exact KL(inference || training) summed over each response's tokens and
-averaged over the run's steps (`seq_exact_kl`, nats; `seq_k3` is the k3 estimate of the same sum). Per-response,
-because that is what a sequence-level importance ratio sees and what grows with response length.
+noise in the engine's sampler); the trained policy stays BF16. The x axis (`DOSE`) is what the run *measured*, not
+the knob, before training changed it: the mismatch per response at the run's first training step (sampled from the
+initial weights, before any update), the exact KL(inference || training) summed over each response's tokens
+(`seq_exact_kl_start`, nats; `seq_k3_start` is the k3 estimate of the same sum; the means over all steps,
+`seq_exact_kl` and `seq_k3`, are kept beside them). Per-response, because that is what a sequence-level importance
+ratio sees and what grows with response length.
 
 Outcomes are the trained policy's held-out accuracy (`eval_accuracy_policy`: with coarse rollouts the
 engine's copy is not the policy). Per run: first, peak, final, and worst after the peak; `degraded` / `diverged`
@@ -35,6 +37,7 @@ from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems, se
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
 REFERENCE = "default BF16"  # the arm every other is compared with
+DOSE = "seq_exact_kl_start"  # the dose axis: per-response exact KL (nats) at the first training step
 KIND_LABELS = {"none": "default BF16", "bits": "coarse rollout weights", "noise": "logit noise",
                "aligned": "aligned training side", "fp32": "FP32 both sides"}
 
@@ -65,14 +68,17 @@ def _policy_accuracy(history: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_outcome(history: pd.DataFrame, eval_prompts: int | None = None) -> dict:
-    """One run: its measured mismatch (means over steps) and its policy's held-out accuracy outcomes."""
+    """One run: its measured mismatch (at the first training step, and means over steps) and its policy's held-out
+    accuracy outcomes."""
     n = eval_problems(history, eval_prompts)
     ev = _policy_accuracy(history)
     h = history[history["step"] > 0]
+    first = h.dropna(subset=["seq_exact_kl"]).sort_values("step").head(1)  # sampled before any update
     verdict = accuracy_verdict(ev["step"], ev["accuracy"], n)
     after_peak = ev[ev["step"] >= verdict["peak_step"]]["accuracy"]
     return dict(
-        seq_exact_kl=h["seq_exact_kl"].mean(), seq_k3=h["seq_k3"].mean(), exact_kl=h["exact_kl"].mean(),
+        seq_exact_kl_start=first["seq_exact_kl"].sum() if len(first) else np.nan,
+        seq_k3_start=first["seq_k3"].sum() if len(first) else np.nan, seq_exact_kl=h["seq_exact_kl"].mean(), seq_k3=h["seq_k3"].mean(), exact_kl=h["exact_kl"].mean(),
         k3=h["k3"].mean(), response_len=h["response_len"].mean(), steps=int(h["step"].max()),
         acc_first=ev["accuracy"].iloc[0], acc_peak=ev["accuracy"].max(), peak_step=verdict["peak_step"],
         acc_last=ev["accuracy"].iloc[-1], acc_worst_after_peak=after_peak.min(), eval_prompts=n,
@@ -92,7 +98,7 @@ def run_table(histories: pd.DataFrame, eval_prompts: int | None = None) -> pd.Da
 def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per arm, in the order arms first appear: mean and standard error over seeds, and how many seeds
     degraded or diverged. Accuracy se is over seeds (training randomness and evaluation noise together)."""
-    metrics = ["seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len", "acc_first", "acc_peak", "acc_last",
+    metrics = ["seq_exact_kl_start", "seq_k3_start", "seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len", "acc_first", "acc_peak", "acc_last",
                "acc_worst_after_peak"]
     g = runs.groupby("config", sort=False)
     out = g[["kind", "dose", "tis", "base"]].first()
@@ -180,7 +186,7 @@ def _hockey_stick(x, y, grid):
     return float(sse[i]), float(grid[i]), float(a[i]), float(b[i])
 
 
-def threshold(runs: pd.DataFrame, x: str = "seq_exact_kl", y: str = "acc_last", n_boot: int = 2000, seed: int = 0,
+def threshold(runs: pd.DataFrame, x: str = DOSE, y: str = "acc_last", n_boot: int = 2000, seed: int = 0,
               level: float = 0.95, grid_points: int = 121) -> dict:
     """Where `y` starts to fall with the mismatch `x` (log10 scale), over the runs given (one TIS setting).
 
@@ -236,8 +242,8 @@ def reference_marks(runs: pd.DataFrame, steps_runs: pd.DataFrame | None, real_sh
             continue
         bf16 = table[(table["kind"] == "none") & ~table["tis"]]
         if len(bf16):
-            marks.append(dict(label=label, value=bf16["seq_exact_kl"].mean(), low=bf16["seq_exact_kl"].min(),
-                              high=bf16["seq_exact_kl"].max(), tokens=bf16["response_len"].mean()))
+            marks.append(dict(label=label, value=bf16[DOSE].mean(), low=bf16[DOSE].min(), high=bf16[DOSE].max(),
+                              tokens=bf16["response_len"].mean()))
     if real_shape_kl:
         marks.append(dict(label=f"paper-like: Qwen3-0.6B-shape per-token KL x {lengths[0]:,}-{lengths[1]:,} tokens",
                           value=real_shape_kl["value"] * np.sqrt(lengths[0] * lengths[1]),
