@@ -228,15 +228,15 @@ def test_dose_verdicts_say_what_their_tables_say():
     arms, _ = report.load_table("06_dose_arms")
     fits, _ = report.load_table("06_dose_threshold")
     block = readme.block_dose_response()
-    if "final vs default BF16 verdict" in arms:
-        paired = arms.dropna(subset=["final vs default BF16 ci_high"])
-        for _, r in paired.iterrows():
-            expected = ("lower" if r["final vs default BF16 ci_high"] < 0 else
-                        "higher" if r["final vs default BF16 ci_low"] > 0 else "within seed noise")
-            assert r["final vs default BF16 verdict"] == expected, r["config"]
-        sentence = next(line for line in block.splitlines() if "Against default BF16 on the same seeds" in line)
-        lower = paired.loc[paired["final vs default BF16 verdict"] == "lower", "config"]
-        assert all(config in sentence for config in lower) and (len(lower) > 0) == ("lower beyond seed noise for" in sentence)
+    paired = arms.dropna(subset=["final vs default BF16 ci_high"])
+    assert len(paired)
+    for _, r in paired.iterrows():
+        expected = ("lower" if r["final vs default BF16 ci_high"] < 0 else
+                    "higher" if r["final vs default BF16 ci_low"] > 0 else "within seed noise")
+        assert r["final vs default BF16 verdict"] == expected, r["config"]
+    sentence = next(line for line in block.splitlines() if "Against default BF16 on the same seeds" in line)
+    lower = paired.loc[paired["final vs default BF16 verdict"] == "lower", "config"]
+    assert all(config in sentence for config in lower) and (len(lower) > 0) == ("lower beyond seed noise for" in sentence)
     both = fits[(fits["kind"] == "both") & ~fits["tis"].astype(bool) & (fits["outcome"] == "acc_last")].iloc[0]
     sentence = next(line for line in block.splitlines() if "Both kinds pooled, without TIS" in line)
     assert ("no threshold within the tested range" in sentence) == (not both["found"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -432,41 +433,32 @@ def warning_sentence(warning, params) -> str:
     return text
 
 
-def detectable_clause(arms, column: str) -> str:
-    """The power of a paired comparison, from the arms' table (tables written before it was computed have none)."""
-    if column not in arms or not arms[column].notna().any():
-        return ""
-    return f"; the smallest fall these seeds find 4 times in 5 is {arms[column].max():.3f}"
-
-
 def block_dose_response() -> str:
     arms, meta = load_table("06_dose_arms")
-    fits, _ = load_table("06_dose_threshold")
+    fits, fits_meta = load_table("06_dose_threshold")
     marks, _ = load_table("06_dose_references")
-    versus = "final vs default BF16 diff"
-    paired = versus in arms  # tables written before the paired comparison have no such column
+    versus = "final vs default BF16 "  # each arm minus default BF16 on the same seeds (dose_response.versus_reference)
 
     def against(r):
-        return "" if not paired or r[f"{versus}"] != r[f"{versus}"] else (
-            f"{r[versus]:+.3f} [{r['final vs default BF16 ci_low']:+.3f}, {r['final vs default BF16 ci_high']:+.3f}] "
-            f"{r['final vs default BF16 verdict']}")
+        return "" if math.isnan(r[versus + "diff"]) else (
+            f"{r[versus + 'diff']:+.3f} [{r[versus + 'ci_low']:+.3f}, {r[versus + 'ci_high']:+.3f}] {r[versus + 'verdict']}")
 
     dose = dose_response.DOSE
     rows = [[r["config"], f"{r[dose]:.2g} ± {r[dose + ' se']:.1g}", f"{r['exact_kl']:.3g}",
              f"{r['acc_first']:.3f} → {r['acc_peak']:.3f} → {r['acc_last']:.3f} ± {r['acc_last se']:.3f}",
              f"{r['acc_worst_after_peak']:.3f} ± {r['acc_worst_after_peak se']:.3f}", against(r),
              f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}"] for _, r in arms.iterrows()]
-    header = ["arm", "mismatch per response at the first step (nats)", "exact KL, run mean (1e-4/token)", "accuracy start → peak → final (± se)",
-              "worst after peak", "final minus default BF16's, same seed (95% t interval)", "degraded", "diverged at once"]
-    lines = dose_response.verdict_lines(fits, marks.to_dict("records"), worst_after_peak=True)
-    if paired:
-        lower = arms[arms["final vs default BF16 verdict"] == "lower"]["config"].tolist()
-        lines.insert(0, "Against default BF16 on the same seeds: " + (
-            f"final accuracy lower beyond seed noise for {', '.join(lower)}" if lower else
-            "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds)"
-            + detectable_clause(arms, "final vs default BF16 detectable") + ".")
+    header = ["arm", "mismatch per response at the first step (nats)", "exact KL, run mean (1e-4/token)",
+              "accuracy start → peak → final (± se)", "worst after peak",
+              "final minus default BF16's, same seed (95% t interval)", "degraded", "diverged at once"]
+    lower = arms[arms[versus + "verdict"] == "lower"]["config"].tolist()
+    lines = ["Against default BF16 on the same seeds: " + (
+        f"final accuracy lower beyond seed noise for {', '.join(lower)}" if lower else
+        "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds); "
+        f"the smallest fall these seeds find 4 times in 5 is {arms[versus + 'detectable'].max():.3f}."]
+    lines += dose_response.verdict_lines(fits, marks.to_dict("records"), worst_after_peak=True)
     return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
-                          source("06_dose_arms", meta) + " " + source("06_dose_threshold", load_table("06_dose_threshold")[1])])
+                          source("06_dose_arms", meta) + " " + source("06_dose_threshold", fits_meta)])
 
 
 def block_grpo_step() -> str:

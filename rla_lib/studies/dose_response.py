@@ -73,12 +73,13 @@ def run_outcome(history: pd.DataFrame, eval_prompts: int | None = None) -> dict:
     n = eval_problems(history, eval_prompts)
     ev = _policy_accuracy(history)
     h = history[history["step"] > 0]
-    first = h.dropna(subset=["seq_exact_kl"]).sort_values("step").head(1)  # sampled before any update
+    logged = h.dropna(subset=["seq_exact_kl"]).sort_values("step")
+    start = logged.iloc[0] if len(logged) else pd.Series(dtype=float)  # the first training step: before any update
     verdict = accuracy_verdict(ev["step"], ev["accuracy"], n)
     after_peak = ev[ev["step"] >= verdict["peak_step"]]["accuracy"]
     return dict(
-        seq_exact_kl_start=first["seq_exact_kl"].sum() if len(first) else np.nan,
-        seq_k3_start=first["seq_k3"].sum() if len(first) else np.nan, seq_exact_kl=h["seq_exact_kl"].mean(), seq_k3=h["seq_k3"].mean(), exact_kl=h["exact_kl"].mean(),
+        seq_exact_kl_start=start.get("seq_exact_kl", np.nan), seq_k3_start=start.get("seq_k3", np.nan),
+        seq_exact_kl=h["seq_exact_kl"].mean(), seq_k3=h["seq_k3"].mean(), exact_kl=h["exact_kl"].mean(),
         k3=h["k3"].mean(), response_len=h["response_len"].mean(), steps=int(h["step"].max()),
         acc_first=ev["accuracy"].iloc[0], acc_peak=ev["accuracy"].max(), peak_step=verdict["peak_step"],
         acc_last=ev["accuracy"].iloc[-1], acc_worst_after_peak=after_peak.min(), eval_prompts=n,
@@ -98,8 +99,8 @@ def run_table(histories: pd.DataFrame, eval_prompts: int | None = None) -> pd.Da
 def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per arm, in the order arms first appear: mean and standard error over seeds, and how many seeds
     degraded or diverged. Accuracy se is over seeds (training randomness and evaluation noise together)."""
-    metrics = ["seq_exact_kl_start", "seq_k3_start", "seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len", "acc_first", "acc_peak", "acc_last",
-               "acc_worst_after_peak"]
+    metrics = ["seq_exact_kl_start", "seq_k3_start", "seq_exact_kl", "seq_k3", "exact_kl", "k3", "response_len",
+               "acc_first", "acc_peak", "acc_last", "acc_worst_after_peak"]
     g = runs.groupby("config", sort=False)
     out = g[["kind", "dose", "tis", "base"]].first()
     for m in metrics:
@@ -138,7 +139,7 @@ def versus_reference(runs: pd.DataFrame, y: str = "acc_last", reference: str = R
     ref = runs[runs["config"] == reference].set_index("seed")[y]
     diffs = {config: (g.set_index("seed")[y] - ref).dropna()
              for config, g in runs[runs["config"] != reference].groupby("config", sort=False)}
-    pooled = seed_sd(pd.DataFrame([(c, v) for c, d in diffs.items() for v in d], columns=["config", y]), y)
+    pooled = seed_sd(pd.concat(diffs, names=["config", "seed"]).rename(y).reset_index(), y) if diffs else 0.0
     rows = []
     for config, d in diffs.items():
         n, mean = len(d), float(d.mean()) if len(d) else np.nan
