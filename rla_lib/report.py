@@ -23,7 +23,7 @@ import pandas as pd
 
 from .kl import all_equal_bound
 from .machine import describe, machine
-from .paths import ROOT, atomic_write
+from .paths import CHAPTERS, ROOT, atomic_write
 from .settings import setting
 
 TABLES_DIR = Path(setting("RLA_TABLES_DIR") or ROOT / "tables")
@@ -114,7 +114,7 @@ def notebook_times(executed_dir: Path | str) -> pd.DataFrame:
     """Each executed notebook's wall time (papermill records it in the notebook), in run order, their total, and the
     run's wall time (`wall_seconds`)."""
     rows = []
-    for path in sorted(Path(executed_dir).glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted(Path(executed_dir).glob(CHAPTERS)):
         meta = json.loads(path.read_text()).get("metadata", {}).get("papermill", {})
         if meta.get("duration") is not None:
             rows.append(dict(notebook=path.stem, seconds=round(float(meta["duration"]), 1), started=meta.get("start_time")))

@@ -9,7 +9,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from rla_lib import align as rla
-from rla_lib.align import _rms_normalize
+from rla_lib.qwen_layer import rms_normalize as layer_rms_normalize
 from rla_lib.vector_sums import rms_sum_layouts, rms_sum_spec, straight_through
 from rla_lib.graphs import parse_output_code, read_points, schedule, schedule_to_align_kwargs
 from rla_lib.graphs.inductor import float_sum_layout
@@ -32,8 +32,8 @@ def test_rms_sum_is_inductors_reduction_bit_for_bit(dtype, width):
     layouts = {layout for c in code if (layout := float_sum_layout(c))}
     assert len(layouts) == 1, code
     layout = layouts.pop()
-    assert torch.equal(_rms_normalize(x, 1e-6, layout), expected)  # FP32 values, before any rounding
-    assert not torch.equal(_rms_normalize(x, 1e-6), expected)  # torch's mean sums in another order
+    assert torch.equal(layer_rms_normalize(x, 1e-6, layout), expected)  # FP32 values, before any rounding
+    assert not torch.equal(layer_rms_normalize(x, 1e-6), expected)  # torch's mean sums in another order
 
 
 def test_schedule_reads_each_norms_sum_from_the_cpu_code():

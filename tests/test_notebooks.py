@@ -7,16 +7,16 @@ from pathlib import Path
 import papermill
 import pytest
 
-from rla_lib.paths import ROOT
+from rla_lib.paths import CHAPTERS, ROOT
 from rla_lib.real_shape import REAL_SHAPE_DIR
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob(CHAPTERS))
 # Small settings so the whole suite fits CI; the defaults are for `make run-all`.
 FAST = {
     "00_tour": dict(n_prompts=16, n_samples=2),
     "01_rounding_toy": dict(n_prompts=8, live_widget=False),
-    "02_graph_comparison": dict(models=["qwen3-tiny"], hf_compiled=False, n_prompts=16, n_samples=2, n_boot=200,
-                                op_check_sequences=2),
+    "02a_where_vllm_rounds": dict(models=["qwen3-tiny"], hf_compiled=False),
+    "02b_aligning_to_vllm": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200, op_check_sequences=2),
     "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
@@ -60,8 +60,8 @@ SMALL = dict(n_samples=2, max_tokens=16)
 REAL_SHAPE = {
     "00_tour": dict(model=REAL_SHAPE_MODEL, n_prompts=8, **SMALL),
     "01_rounding_toy": dict(model=REAL_SHAPE_MODEL, n_prompts=4, live_widget=False),
-    "02_graph_comparison": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False, n_prompts=8, n_boot=200, op_check_sequences=2,
-                                **SMALL),
+    "02a_where_vllm_rounds": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False),
+    "02b_aligning_to_vllm": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, op_check_sequences=2, **SMALL),
     "03_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
     "04_shapley": dict(models=[REAL_SHAPE_MODEL], modes=["eager"], n_prompts=8, n_boot=100, **SMALL),
     "05_rounding_clustering": dict(models=[REAL_SHAPE_MODEL], n_prompts=4),

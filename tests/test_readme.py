@@ -7,7 +7,7 @@ import pytest
 
 from rla_lib import report
 from tools import readme, readme_speed
-from rla_lib.paths import ROOT
+from rla_lib.paths import CHAPTERS, ROOT
 
 
 @pytest.mark.parametrize("page", readme.PAGES, ids=lambda p: p.name)
@@ -33,7 +33,7 @@ def test_the_readme_is_short_and_points_to_the_pages():
     prose = readme.BLOCK.sub("", text)
     assert len(prose.splitlines()) <= 120, "README.md prose has grown: move the detail to docs/guide.md or docs/results.md"
     assert "make run-all" in text and "make test" in text and all(f"`{p.relative_to(ROOT)}`" in text for p in readme.PAGES[1:])
-    chapters = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    chapters = sorted(p.name for p in (ROOT / "notebooks").glob(CHAPTERS))
     assert [name for name in chapters if f"`notebooks/{name}`" not in text] == []
 
 

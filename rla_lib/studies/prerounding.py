@@ -1,18 +1,18 @@
 """Where the stock Transformers model rounds (Qwen2/Qwen3, BF16), and the values it is about to round.
 
-`capture_prerounding(model, input_ids, attention_mask)` runs the stock model once, records each decoder
-layer's BF16 input, then replays the layer op by op: each op runs exactly as the stock model runs it
-(same BF16 tensors, checked: the replayed layer output must equal the stock layer output bitwise) and
-again in FP32 on the upcast BF16 inputs of that op. The FP32 result is the value the op had just before
-it was stored to BF16. `LOCATIONS` lists the locations (q/k/v/o/gate/up/down projections, the attention
-output, RMSNorm x*rsqrt before and after the weight, Qwen3's Q/K norms, the RoPE products and sums, SiLU,
-the SwiGLU product and both residual sums). For pointwise ops the FP32 value is exact: rounding it gives
-the stock BF16 tensor bit for bit. For matmuls it is an FP32 recomputation whose accumulation order
-differs from the BF16 kernel's, so rounding it reproduces the stock tensor except for rare one-step
-differences (more than 99.9% of elements equal). For attention with "sdpa" on CPU it mirrors PyTorch's
-BF16 flash kernel, which rounds the unnormalised probabilities to BF16 before multiplying by V (a plain
-FP32 recomputation would agree on only ~90% of elements); elsewhere it is the plain FP32 recomputation.
-The final `model.norm` is not captured (it is not part of a decoder layer).
+`capture_prerounding(model, input_ids, attention_mask)` runs the stock model once, and once more with every
+module's forward bound to `rla_lib.qwen_layer` under the stock rounding policy (`align(model, (), record=...)`):
+each op runs exactly as the stock model runs it, so the two forwards must agree bit for bit (checked), and at each
+rounding point the op's FP32 value on the upcast inputs is recorded: the value the op had just before it was stored
+to BF16. `LOCATIONS` lists the locations (q/k/v/o/gate/up/down projections, the attention output, RMSNorm x*rsqrt
+before and after the weight, Qwen3's Q/K norms, the RoPE products and sums, SiLU, the SwiGLU product and both
+residual sums) with what the paper reports of each kind. For pointwise ops the FP32 value is exact: rounding it gives
+the stock BF16 tensor bit for bit. For matmuls it is an FP32 recomputation whose accumulation order differs from the
+BF16 kernel's, so rounding it reproduces the stock tensor except for rare one-step differences (more than 99.9% of
+elements equal). For attention with "sdpa" on CPU it mirrors PyTorch's BF16 flash kernel
+(`attention.sdpa_cpu_unrounded`: the unnormalised probabilities rounded to BF16 before the product with V; a plain
+FP32 recomputation would agree on only ~90% of elements); elsewhere it is the plain FP32 recomputation. The final
+`model.norm` is not captured (it is not part of a decoder layer).
 
 RoPE at other positions: the embedded models have 64 positions and the task sequences ~40 tokens, so
 `capture_prerounding` sees RoPE only where cos is close to 1. `capture_rope_at_positions(model, ids,
@@ -42,8 +42,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..align import REGIONS, aligned, current
+from ..align import REGIONS, align, aligned, current
 from ..machine import has_fp32_matmul
+from ..qwen_layer import Rounding, rotary
 from ..rounding import region_difference
 
 
@@ -91,128 +92,22 @@ LOCATION_BY_NAME = {loc.name: loc for loc in LOCATIONS}
 
 
 class _Recorder:
-    """Collects (fp32, bf16) pairs per location for one replayed layer; tensors stored as (B, T, ...)."""
+    """Collects (fp32, rounded) pairs per (location, layer) as `align(..., record=)` reports them, as (B, T, ...)."""
 
-    def __init__(self):
-        self.fp32: dict[str, torch.Tensor] = {}
-        self.bf16: dict[str, torch.Tensor] = {}
+    def __init__(self, layers=None, locations=None):
+        self.layers, self.locations = layers, locations
+        self.fp32: dict[str, dict] = {loc.name: {} for loc in LOCATIONS}
+        self.bf16: dict[str, dict] = {loc.name: {} for loc in LOCATIONS}
 
-    def __call__(self, name: str, fp32: torch.Tensor, bf16: torch.Tensor, heads_first: bool = False) -> None:
-        assert name in LOCATION_BY_NAME, name
-        assert fp32.dtype == torch.float32 and fp32.shape == bf16.shape, (name, fp32.dtype, fp32.shape, bf16.shape)
-        if heads_first:  # (B, H, T, D) -> (B, T, H, D)
-            fp32, bf16 = fp32.transpose(1, 2), bf16.transpose(1, 2)
-        self.fp32[name] = fp32.contiguous()
-        self.bf16[name] = bf16.contiguous()
-
-
-def _linear_fp32(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    bias = None if linear.bias is None else linear.bias.float()
-    return torch.nn.functional.linear(x.float(), linear.weight.float(), bias)
-
-
-def _replay_norm(norm, x: torch.Tensor, prefix: str, rec: _Recorder) -> torch.Tensor:
-    """Stock RMSNorm, step by step: FP32 x*rsqrt, rounded, times the weight (BF16*BF16, exact in FP32)."""
-    xf = x.to(torch.float32)
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    normed = xf * torch.rsqrt(variance + norm.variance_epsilon)
-    normed_bf16 = normed.to(x.dtype)
-    rec(f"{prefix}.rsqrt", normed, normed_bf16)
-    out = norm.weight * normed_bf16
-    rec(f"{prefix}.weight", norm.weight.float() * normed_bf16.float(), out)
-    return out
-
-
-def _replay_rope(x, cos, sin, tag: str, rotate_half, rec: _Recorder) -> torch.Tensor:
-    """Stock apply_rotary_pos_emb for one of q/k: (x*cos) + (rotate_half(x)*sin), each op rounded."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    a = x * cos
-    rec(f"rope.{tag}_cos", x.float() * cos.float(), a, heads_first=True)
-    r = rotate_half(x)
-    b = r * sin
-    rec(f"rope.{tag}_sin", r.float() * sin.float(), b, heads_first=True)
-    out = a + b
-    rec(f"rope.{tag}_sum", a.float() + b.float(), out, heads_first=True)
-    return out
-
-
-def _attention_prerounding(attn, q, k, v, mask, fp32_recompute: torch.Tensor) -> torch.Tensor:
-    """The FP32 attention output just before the BF16 kernel rounds it, as (B, T, H, D).
-
-    PyTorch's CPU SDPA kernel for BF16 (flash attention on CPU) keeps the scores, the running max and the
-    softmax denominator in FP32 but rounds the *unnormalised* probabilities exp(s - max) to BF16 before
-    the product with V; its output is (P_bf16 @ V) / denominator, rounded once. For "sdpa" on CPU we
-    mirror that (bitwise at these sequence lengths, where the kernel uses a single KV block, on CPUs where
-    torch's exp is accurate; AVX2 builds use the approximate `fexp_u20`, relative error up to about 1e-4, so
-    a few probabilities round the other way there); for "eager" (which rounds the normalised probabilities)
-    and anything else we return the plain FP32 recomputation.
-    """
-    if attn.config._attn_implementation != "sdpa" or q.device.type != "cpu" or q.shape[2] > 256:
-        return fp32_recompute
-    n_rep = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(n_rep, dim=1)
-    vf = v.float().repeat_interleave(n_rep, dim=1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * attn.scaling
-    t_q, t_k = scores.shape[-2:]
-    if mask is None:
-        allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    elif mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask.float()
-    top = scores.amax(-1, keepdim=True)
-    e = torch.exp(scores - top)
-    out = (e.to(q.dtype).float() @ vf) / e.sum(-1, keepdim=True)
-    return out.transpose(1, 2)
-
-
-def _replay_layer(layer, hidden_states: torch.Tensor, kwargs: dict, rec: _Recorder) -> torch.Tensor:
-    """The stock Qwen2/Qwen3 decoder layer of transformers 5.19, one rounding location at a time."""
-    modeling = sys.modules[type(layer).__module__]
-    attn, mlp = layer.self_attn, layer.mlp
-    residual = hidden_states
-    h = _replay_norm(layer.input_layernorm, hidden_states, "input_norm", rec)
-
-    shape = (*h.shape[:-1], -1, attn.head_dim)
-    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    rec("q_proj", _linear_fp32(attn.q_proj, h), q)
-    rec("k_proj", _linear_fp32(attn.k_proj, h), k)
-    rec("v_proj", _linear_fp32(attn.v_proj, h), v)
-    q, k, v = q.view(shape), k.view(shape), v.view(shape)
-    if hasattr(attn, "q_norm"):
-        q = _replay_norm(attn.q_norm, q, "q_norm", rec)
-        k = _replay_norm(attn.k_norm, k, "k_norm", rec)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    cos, sin = kwargs["position_embeddings"]
-    q = _replay_rope(q, cos, sin, "q", modeling.rotate_half, rec)
-    k = _replay_rope(k, cos, sin, "k", modeling.rotate_half, rec)
-
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, modeling.eager_attention_forward)
-    common = dict(dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window)
-    mask = kwargs.get("attention_mask")
-    a, _ = interface(attn, q, k, v, mask, **common)
-    a_fp32 = _attention_prerounding(attn, q, k, v, mask, interface(attn, q.float(), k.float(), v.float(), mask, **common)[0])
-    a = a.reshape(*h.shape[:-1], -1).contiguous()
-    rec("attention", a_fp32.reshape(a.shape), a)
-    o = attn.o_proj(a)
-    rec("o_proj", _linear_fp32(attn.o_proj, a), o)
-
-    s = residual + o
-    rec("residual_attn", residual.float() + o.float(), s)
-    h = _replay_norm(layer.post_attention_layernorm, s, "post_norm", rec)
-    gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-    rec("gate_proj", _linear_fp32(mlp.gate_proj, h), gate)
-    rec("up_proj", _linear_fp32(mlp.up_proj, h), up)
-    act = mlp.act_fn(gate)
-    rec("silu", mlp.act_fn(gate.float()), act)
-    prod = act * up
-    rec("swiglu", act.float() * up.float(), prod)
-    d = mlp.down_proj(prod)
-    rec("down_proj", _linear_fp32(mlp.down_proj, prod), d)
-    out = s + d
-    rec("residual_mlp", s.float() + d.float(), out)
-    return out
+    def __call__(self, point: str, layer, fp32: torch.Tensor, rounded: torch.Tensor) -> None:
+        if point not in LOCATION_BY_NAME or (self.layers is not None and layer not in self.layers) or (
+                self.locations is not None and point not in self.locations):
+            return  # the final norm (not a decoder layer's), or not asked for
+        assert fp32.dtype == torch.float32 and fp32.shape == rounded.shape, (point, fp32.dtype, fp32.shape, rounded.shape)
+        if point.startswith("rope."):  # (B, H, T, D) -> (B, T, H, D)
+            fp32, rounded = fp32.transpose(1, 2), rounded.transpose(1, 2)
+        self.fp32[point][layer] = fp32.contiguous()
+        self.bf16[point][layer] = rounded.contiguous()
 
 
 def _check_capturable(model) -> torch.nn.Module:
@@ -221,7 +116,7 @@ def _check_capturable(model) -> torch.nn.Module:
         raise TypeError(f"capture_prerounding expects a Qwen2/Qwen3 *ForCausalLM or *Model, got {type(model).__name__}.")
     arch = type(base).__name__
     if arch not in ("Qwen2Model", "Qwen3Model"):
-        raise TypeError(f"capture_prerounding supports Qwen2/Qwen3 only (its replay follows their layers), got {arch}.")
+        raise TypeError(f"capture_prerounding supports Qwen2/Qwen3 only (rla_lib.qwen_layer is their layer), got {arch}.")
     dtype = base.embed_tokens.weight.dtype
     if dtype != torch.bfloat16:
         raise TypeError(f"capture_prerounding needs a BF16 model (it records what BF16 rounds); this one is {dtype}.")
@@ -239,10 +134,9 @@ def capture_prerounding(model, input_ids, attention_mask=None, *, layers: Iterab
     """FP32 values just before the stock model rounds them: {location: {layer: tensor (B, T, ...)}}.
 
     `input_ids` (B, T) and `attention_mask` as for the model (right padding: slice out the real tokens
-    with the mask, e.g. `tensor[mask.bool()]`). Each decoder layer's BF16 input is taken from one stock
-    forward; the layer is then replayed op by op (see the module docstring), and the replayed output must
-    equal the stock output bitwise (else RuntimeError). With `return_bf16=True` also returns the stock
-    BF16 tensors at the same locations: `(fp32, bf16)`.
+    with the mask, e.g. `tensor[mask.bool()]`). The recording forward (see the module docstring) must equal the
+    stock forward bitwise (else RuntimeError). With `return_bf16=True` also returns the stock BF16 tensors at the
+    same locations: `(fp32, bf16)`.
     """
     base = _check_capturable(model)
     input_ids = torch.as_tensor(input_ids)
@@ -254,39 +148,19 @@ def capture_prerounding(model, input_ids, attention_mask=None, *, layers: Iterab
     if wanted_locs is not None and not wanted_locs <= set(LOCATION_BY_NAME):
         raise ValueError(f"unknown location(s) {sorted(wanted_locs - set(LOCATION_BY_NAME))}; see LOCATIONS.")
 
-    seen = {}
-    handles = []
-    for i in wanted_layers:
-        def pre(module, args, kwargs, i=i):
-            hs = args[0] if args else kwargs["hidden_states"]
-            seen[i] = {"input": hs, "kwargs": {k: v for k, v in kwargs.items() if k != "hidden_states"}}
-
-        def post(module, args, kwargs, output, i=i):
-            seen[i]["output"] = output[0] if isinstance(output, tuple) else output
-
-        handles.append(base.layers[i].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(base.layers[i].register_forward_hook(post, with_kwargs=True))
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    stock = base(**kwargs).last_hidden_state
+    rec = _Recorder(set(wanted_layers), wanted_locs)
+    handle = align(base, (), record=rec)  # every module through rla_lib.qwen_layer, rounding where stock rounds
     try:
-        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        recorded = base(**kwargs).last_hidden_state
     finally:
-        for h in handles:
-            h.remove()
-
-    fp32 = {loc.name: {} for loc in LOCATIONS}
-    bf16 = {loc.name: {} for loc in LOCATIONS}
-    for i in wanted_layers:
-        rec = _Recorder()
-        out = _replay_layer(base.layers[i], seen[i]["input"], seen[i]["kwargs"], rec)
-        stock = seen[i]["output"]
-        if out.dtype != stock.dtype or not torch.equal(out.view(torch.int16), stock.view(torch.int16)):
-            raise RuntimeError(f"the replay of layer {i} differs from the stock layer: the modeling code is not the one "
-                               "rla_lib.studies.prerounding was written against (transformers 5.19).")
-        for name in rec.fp32:
-            if wanted_locs is None or name in wanted_locs:
-                fp32[name][i] = rec.fp32[name]
-                bf16[name][i] = rec.bf16[name]
-    fp32 = {k: v for k, v in fp32.items() if v}
-    bf16 = {k: v for k, v in bf16.items() if v}
+        handle.undo()
+    if not torch.equal(recorded.view(torch.int16), stock.view(torch.int16)):
+        raise RuntimeError("the recording forward differs from the stock one: the modeling code is not the one "
+                           "rla_lib.qwen_layer was written against (rla_lib.align_versions lists the verified releases).")
+    fp32 = {k: v for k, v in rec.fp32.items() if v}
+    bf16 = {k: v for k, v in rec.bf16.items() if v}
     return (fp32, bf16) if return_bf16 else fp32
 
 
@@ -331,7 +205,7 @@ def rope_prerounding(model, rope_inputs: dict, position_ids) -> dict:
     `rope_inputs` (`capture_rope_inputs`) sat at `position_ids` (B, T): {location: {layer: (B, T, H, D)}}.
 
     cos and sin come from the model's own `rotary_emb` (its rope_theta and rope type) in BF16, as in the
-    stock forward, and the arithmetic is the stock `apply_rotary_pos_emb`'s, op by op (`_replay_rope`). The
+    stock forward, and the arithmetic is the stock `apply_rotary_pos_emb`'s, op by op (`qwen_layer.rotary`). The
     q/k values are the captured ones: what changes with position is the rotation, not the values rotated.
     """
     base = _check_capturable(model)
@@ -343,10 +217,11 @@ def rope_prerounding(model, rope_inputs: dict, position_ids) -> dict:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, the tokens {tuple(q.shape[:2])}.")
         cos, sin = base.rotary_emb(q, position_ids)
         rec = _Recorder()
-        _replay_rope(q.transpose(1, 2), cos, sin, "q", modeling.rotate_half, rec)
-        _replay_rope(k.transpose(1, 2), cos, sin, "k", modeling.rotate_half, rec)
+        recording = Rounding(record=rec, layer=layer)
+        rotary(q.transpose(1, 2), cos, sin, "q", modeling.rotate_half, recording, q.dtype)
+        rotary(k.transpose(1, 2), cos, sin, "k", modeling.rotate_half, recording, k.dtype)
         for name in ROPE_LOCATIONS:
-            out[name][layer] = rec.fp32[name]
+            out[name][layer] = rec.fp32[name][layer]
     return out
 
 

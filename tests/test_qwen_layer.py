@@ -1,0 +1,61 @@
+"""rla_lib.qwen_layer: a region is the set of rounding points it keeps in FP32, and recording the points changes no bit."""
+
+import pytest
+import torch
+
+from rla_lib import align as rla
+from rla_lib.attention import truncate_to_bf16
+from rla_lib.qwen_layer import FINAL_POINTS, POINTS, rounding_policy
+from test_align import batch, build, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+
+MATMULS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "attention"}
+CASES = {
+    "stock": ((), {}),
+    "rope": (("rope",), {}),
+    "rope, stock Q/K norm, truncated": (("rope",), dict(rope_qk_norm="stock", rope_rounding="truncate")),
+    "swiglu": (("swiglu",), {}),
+    "residual_norm, FP32 weight": (("residual_norm",), dict(norm_weight="fp32", residual_stream="fp32")),
+    "the paper's three": (rla.REGIONS, {}),
+}
+
+
+def logits(model, **align_kwargs):
+    ids, mask = batch()
+    handle = rla.align(model, **align_kwargs) if align_kwargs else None
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).logits
+    finally:
+        handle and handle.undo()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_region_rounds_at_every_point_but_those_it_keeps(arch, case, attn):
+    regions, options = CASES[case]
+    model = build(arch, attn=attn)
+    policy = rounding_policy(regions, rla.AlignOptions(**options))
+    seen: dict = {}
+
+    def record(point, layer, fp32, rounded):
+        assert fp32.dtype == torch.float32 and rounded.dtype == torch.bfloat16 and fp32.shape == rounded.shape, point
+        if point not in MATMULS:  # pointwise: the recorded value is the one rounded, exactly
+            expected = truncate_to_bf16(fp32) if point in policy.truncate else fp32.to(torch.bfloat16)
+            assert torch.equal(expected, rounded), (point, layer)
+        seen.setdefault(layer, set()).add(point)
+
+    recorded = logits(model, regions=regions, record=record, **options)
+    assert torch.equal(recorded, logits(model, regions=regions, **options) if regions else logits(model))
+    has_qk_norm = arch == "qwen3"
+    layer_points = {p for p in POINTS if has_qk_norm or not p.startswith(("q_norm", "k_norm"))}
+    assert set(seen) == {0, 1, "final"}
+    for layer in (0, 1):
+        assert seen[layer] == layer_points - policy.keep, layer
+    assert seen["final"] == set(FINAL_POINTS) - policy.keep
+
+
+def test_the_policy_names_only_points_of_the_layer():
+    every = rounding_policy((*rla.REGIONS, "attention"), rla.AlignOptions(norm_weight="fp32", rope_rounding="truncate"))
+    assert every.keep | every.truncate <= set(POINTS) | set(FINAL_POINTS)
+    assert rounding_policy((), rla.AlignOptions()).keep == frozenset()
