@@ -152,10 +152,8 @@ class Policy:
         self.compute.train()
         if cfg.regions:
             align(self.compute, cfg.regions, **cfg.align_options)
-        # foreach: one call per op for all tensors, not a Python loop over them; the same kernels per tensor, so the
-        # same bits (tests/test_grpo.py) and every committed history reproduces
-        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
-                                     foreach=True)
+        # (torch's for-loop over tensors: foreach gives the same bits but was slower here, benchmarks/adamw_step.py)
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
 
     def refresh_compute(self):
         if self.compute is not self.master:
