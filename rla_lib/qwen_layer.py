@@ -90,9 +90,6 @@ class Rounding:
             self.record("attention", self.layer, fp32.reshape(output.shape), output)
 
 
-STOCK = Rounding()
-
-
 def truncated_bf16(x: torch.Tensor) -> torch.Tensor:
     """x rounded to BF16 toward zero; its gradient that of `.to(torch.bfloat16)`."""
     nearest = x.to(torch.bfloat16)
