@@ -70,6 +70,19 @@ def probe_attention(engine: Engine, model, regions, options: dict, sequences, ca
             "how": "probed end to end (rla_lib.engine_align.probe_attention): the closest numerics"}
 
 
+def probe_run_evidence(probe, mode: str, n_boot: int = 2000, seed: int = 0) -> dict:
+    """`probe_attention`'s evidence from a measurement already made (a `mismatch.MismatchRun` of the probe prompts that
+    scored each schedule with each attention numerics, sides `schedule_<mode>+attention_<numerics>`): exact KL per token
+    (1e-4) against the engine and tokens bitwise, per numerics; "numerics" the closest."""
+    engine = sides.engine(mode)
+    trained = {a: sides.training(f"schedule_{mode}+attention_{a}") for a in ATTENTION_NUMERICS}
+    distance = {a: float(probe.estimate(engine, t, "exact", n_boot=n_boot, seed=seed).value) for a, t in trained.items()}
+    bitwise = {a: int((probe.token_lp[engine] == probe.token_lp[t]).sum()) for a, t in trained.items()}
+    return dict(numerics=min(distance, key=distance.get), distance=distance, bitwise=bitwise,
+                measure="exact KL per token, 1e-4 (probe prompts)", tokens=len(probe.token_lp[engine]),
+                sequences=len(probe.prompts), how="closest on the probe prompts of a measurement")
+
+
 def attention_section(found: dict) -> dict:
     """The attention numerics an engine schedule takes, from a probe's evidence `found` (`probe_attention`'s fields, or
     none): the kernel the engine loaded where it is known (the probe, if any, verifies it), else the probe's closest.
