@@ -64,7 +64,10 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # task, every held-out problem every 10 steps; the FP32 control first, since without learning nothing can collapse.
 # lr 3e-4 sent both arms to zero within 10 steps; edge-steps sits between it and lr 1e-4, with the exactly
 # on-policy BF16 arm (aligned to the engine's schedule: bitwise on this CPU) beside them; slow-steps is below lr 1e-4,
-# where dose-steps (lr 3e-5) rose from 0.39 to 0.45-0.51 in 60 steps
+# where dose-steps (lr 3e-5) rose from 0.39 to 0.45-0.51 in 60 steps. slow-steps' FP32 control plateaued near 0.5;
+# wide-steps halves its gradient variance (32 prompts per step), and since its sampling entropy is only about 0.03
+# nats per token, t1.5-steps explores by sampling its rollouts at temperature 1.5 (evaluated at 1.0, as every run),
+# and group16-steps by drawing 16 responses per prompt
 STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
 LEARN = ["FP32 control", "default BF16"]
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
@@ -81,6 +84,9 @@ GRID = [  # (tag, settings, seeds, configs)
     ("learn-steps", dict(STEPS_TASK, lr=1e-4, steps=100), (0,), LEARN),
     ("edge-steps", dict(STEPS_TASK, lr=2e-4, steps=60), (0, 1), LEARN + [ENGINE_SCHEDULE]),
     ("slow-steps", dict(STEPS_TASK, lr=5e-5, steps=100), (0,), LEARN),
+    ("wide-steps", dict(STEPS_TASK, lr=5e-5, steps=100, prompts_per_step=32), (0,), ["FP32 control"]),
+    ("t1.5-steps", dict(STEPS_TASK, lr=5e-5, steps=100, temperature=1.5), (0,), ["FP32 control"]),
+    ("group16-steps", dict(STEPS_TASK, lr=5e-5, steps=100, group_size=16), (0,), ["FP32 control"]),
 ]
 
 
