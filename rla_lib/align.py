@@ -21,7 +21,8 @@ paper's three regions (`REGIONS`), without touching matmuls, attention kernels o
 Each of the three is a set of the layer's named rounding points (`rla_lib.qwen_layer.POINTS`) that it keeps in FP32
 (`qwen_layer.rounding_policy`); the layer's ops are written once, in `rla_lib.qwen_layer`, and bound here into the
 modules' forwards. `align(model, (), record=...)` runs the stock model through the same code and reports the FP32
-value at every point it rounds (`rla_lib.studies.prerounding`).
+value at every point it rounds (`rla_lib.studies.prerounding`); `align(model, regions, replay=...)` feeds every point
+another value, the engine's own in `rla_lib.studies.op_check`, so each op is checked from the engine's inputs.
 
 A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention
 kernel of the model's `attn_implementation` with the engine's numerics (`rla_lib.attention`), per module
@@ -312,9 +313,9 @@ def _attention_forward(
     value_states = rounding.linear("v_proj", self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings  # FP32 where the rope region keeps them (unless rope_cos_sin="bf16")
-    if not rounding.keeps("rope.q_cos") and rounding.record is None:
+    if not rounding.keeps("rope.q_cos") and not rounding.observed:
         query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    elif options.fused and rounding.record is None:
+    elif options.fused and not rounding.observed:
         query_states, key_states = _compiled(_rotary_fp32)(
             modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype,
             options.rope_rounding == "truncate",
@@ -341,21 +342,21 @@ def _attention_forward(
     if not attention:  # (an engine kernel's own FP32 value is not recorded)
         rounding.attention(self, attention_interface, query_states, key_states, value_states, attention_mask,
                            attn_output, **common)
-    attn_output = rounding.linear("o_proj", self.o_proj, attn_output)
+    attn_output = rounding.linear("o_proj", self.o_proj, rounding.replayed("attention", attn_output))
     return attn_output, attn_weights
 
 
 def _qk_norm(norm: nn.Module, states: torch.Tensor, name: str, rounding: Rounding, rms_sum: str) -> torch.Tensor:
-    """Qwen3's per-head Q/K norm: the stock module where the policy keeps none of its points (and records nothing)."""
+    """Qwen3's per-head Q/K norm: the stock module where the policy keeps none of its points (and no study looks)."""
     if rounding.keeps(f"{name}.weight"):
         return rms_norm(norm, states, name, rounding, rms_sum)
-    return norm(states) if rounding.record is None else rms_norm(norm, states, name, rounding)
+    return rms_norm(norm, states, name, rounding) if rounding.observed else norm(states)
 
 
 def _mlp_forward(self, x, *, options, rounding):
     gate = rounding.linear("gate_proj", self.gate_proj, x)
     up = rounding.linear("up_proj", self.up_proj, x)
-    if options.fused and rounding.keeps("silu") and rounding.record is None:
+    if options.fused and rounding.keeps("silu") and not rounding.observed:
         return self.down_proj(_FusedSwiGLU.apply(gate, up))
     return rounding.linear("down_proj", self.down_proj, swiglu(self.act_fn, gate, up, rounding))
 
@@ -512,6 +513,7 @@ def align(
     replace: bool = False,
     options: AlignOptions | None = None,
     record=None,
+    replay=None,
     **option_kwargs,
 ) -> Alignment:
     """Round `model` (a Qwen2/Qwen3 *ForCausalLM or *Model) where the engine rounds, in place.
@@ -523,6 +525,8 @@ def align(
     `record(point, layer, fp32, rounded)`, for studies: called at every rounding point (`qwen_layer.POINTS`) the model
     rounds, with the FP32 value about to be rounded; every module then runs through `qwen_layer` (with `regions=()`,
     the stock model recorded, bit for bit stock). Forward only; the model's own attention kernel only.
+    `replay(point, layer, rounded)`, for studies: the value each rounding point carries on with (teacher forcing:
+    `rla_lib.studies.op_check` puts the engine's own there); every module then runs through `qwen_layer` too.
     """
     family, base = _family_and_base(model)
     refuse_if_aligned(base, replace)
@@ -545,7 +549,7 @@ def align(
     unalign(base)
     handle = Alignment(base, regions, options)
     try:
-        _patch_modules(handle, base, release, record)
+        _patch_modules(handle, base, release, record, replay)
     except BaseException:
         handle._restore()
         raise
@@ -553,11 +557,12 @@ def align(
     return handle
 
 
-def _patch_modules(handle: Alignment, base: nn.Module, release: Release, record) -> None:
-    """Bind the forwards of the modules whose rounding the regions change (all of them when recording)."""
-    regions, options, every = handle.regions, handle.options, record is not None
+def _patch_modules(handle: Alignment, base: nn.Module, release: Release, record, replay) -> None:
+    """Bind the forwards of the modules whose rounding the regions change (all of them when a study looks)."""
+    regions, options = handle.regions, handle.options
     sums = rms_sum_layouts(options.rms_sum, len(base.layers))
-    policies = [rounding_policy(regions, options, layer=i, record=record) for i in range(len(base.layers))]
+    policies = [rounding_policy(regions, options, i, record, replay) for i in range(len(base.layers))]
+    every = record is not None or replay is not None
     if "rope" in regions:
         _use_fp32_rope_frequencies(handle, base.rotary_emb, release)
         if options.rope_cos_sin == "fp32":
@@ -580,7 +585,7 @@ def _patch_modules(handle: Alignment, base: nn.Module, release: Release, record)
             handle._patch(layer.post_attention_layernorm, _residual_norm_forward, rounding=policies[i],
                           name="post_norm", rms_sum=norm_sum["post_norm"][i])
         handle._patch(base.norm, _residual_norm_forward, name="final_norm", rms_sum=norm_sum["final_norm"][0],
-                      rounding=rounding_policy(regions, options, layer="final", record=record))
+                      rounding=rounding_policy(regions, options, "final", record, replay))
 
 
 def refuse_if_aligned(model: nn.Module, replace: bool = False) -> None:

@@ -8,7 +8,9 @@ AVX512-BF16 convert) or kept in FP32, and may record the FP32 value just before 
 - stock: every point rounded. Where an op's inputs are in the model dtype it runs as Transformers runs it, so the
   forward and the backward are the stock ones, bit for bit;
 - aligned (`rla_lib.align`): a region is the set of points it keeps in FP32 (`rounding_policy`);
-- recording (`rla_lib.studies.prerounding`): a policy with `record`, called at every point it rounds.
+- recording (`rla_lib.studies.prerounding`): a policy with `record`, called at every point it rounds;
+- replaying (`rla_lib.studies.op_check`): a policy with `replay`, which may put another value (an engine's own, for
+  teacher forcing) in place of the rounded one at every point.
 
 `rla_lib.align` binds these functions into the modules' forwards (its part: caches, masks, Transformers releases);
 the Qwen layer's ops are written here and nowhere else.
@@ -36,15 +38,25 @@ FINAL_POINTS = ("final_norm.rsqrt", "final_norm.weight")  # the model's last nor
 @dataclass(frozen=True)
 class Rounding:
     """Where one layer rounds: every point but those in `keep` (held in FP32), toward zero at those in `truncate`.
-    `record(point, layer, fp32, rounded)`, if given, is called at every point rounded (forward only: for studies)."""
+    For studies, forward only, at every point rounded: `record(point, layer, fp32, rounded)` is called, and
+    `replay(point, layer, rounded)` returns the value the layer carries on with."""
 
     keep: frozenset = frozenset()
     truncate: frozenset = frozenset()
     record: Callable | None = None
     layer: int | str | None = None
+    replay: Callable | None = None
 
     def keeps(self, point: str) -> bool:
         return point in self.keep
+
+    @property
+    def observed(self) -> bool:
+        """A study looks at every point: each op then runs here, none fused or left to its stock module."""
+        return self.record is not None or self.replay is not None
+
+    def replayed(self, point: str, rounded: torch.Tensor) -> torch.Tensor:
+        return rounded if self.replay is None else self.replay(point, self.layer, rounded)
 
     def at(self, point: str, op, *inputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """op(*inputs) at a rounding point. Kept: in FP32 on upcast inputs. Rounded: the op itself where every input
@@ -58,7 +70,7 @@ class Rounding:
         if self.record is not None:
             with torch.no_grad():
                 self.record(point, self.layer, value if wide else op(*(x.float() for x in inputs)), rounded)
-        return rounded
+        return self.replayed(point, rounded)
 
     def _round(self, point: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if value.dtype == dtype:
@@ -75,7 +87,7 @@ class Rounding:
             with torch.no_grad():
                 bias = None if module.bias is None else module.bias.float()
                 self.record(point, self.layer, F.linear(x.float(), module.weight.float(), bias), y)
-        return y
+        return self.replayed(point, y)
 
     def attention(self, module, interface, query, key, value, mask, output, **common) -> None:
         """Record the attention output `output` (B, T, H, D) with the FP32 value its kernel rounded: for SDPA on CPU
@@ -96,7 +108,7 @@ def truncated_bf16(x: torch.Tensor) -> torch.Tensor:
     return nearest + (truncate_to_bf16(x.detach()) - nearest).detach()
 
 
-def rounding_policy(regions, options, layer=None, record=None) -> Rounding:
+def rounding_policy(regions, options, layer=None, record=None, replay=None) -> Rounding:
     """The points `align`'s regions keep in FP32, under its `options` (rope_qk_norm, rope_rounding, norm_weight)."""
     keep, truncate = set(), set()
     if "rope" in regions:
@@ -111,7 +123,7 @@ def rounding_policy(regions, options, layer=None, record=None) -> Rounding:
         keep |= {"residual_attn", "residual_mlp"}
         if options.norm_weight == "fp32":
             keep |= {"input_norm.rsqrt", "post_norm.rsqrt", "final_norm.rsqrt"}
-    return Rounding(frozenset(keep), frozenset(truncate), record, layer)
+    return Rounding(frozenset(keep), frozenset(truncate), record, layer, replay)
 
 
 def rms_normalize(hidden_states: torch.Tensor, eps: float, rms_sum: str = "torch") -> torch.Tensor:

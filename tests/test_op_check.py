@@ -11,7 +11,7 @@ import pytest
 from rla_lib import machine
 from rla_lib.attention import ROUNDS_TO_NEAREST, VLLM_CPU_BUILDS
 from rla_lib.studies import op_check
-from rla_lib.engine_align import align_to_engine, with_attention, with_rope_rounding
+from rla_lib.engine_align import with_attention, with_rope_rounding
 from rla_lib.graphs import Graph, read_points
 from rla_lib.graphs import schedule as graphs_schedule
 from rla_lib.models import load_model
@@ -92,11 +92,7 @@ def test_engine_aligned_side_equals_eager_vllm_at_every_op(captures):
     points = read_points(Graph.load(EAGER_TRACE))
     schedule = with_attention(graphs_schedule(points, "vllm:eager"), NUMERICS if ATTENTION_REPRODUCED else "flash")
     schedule = with_rope_rounding(schedule, "eager")  # the builds without AVX512-BF16 truncate the rotated Q/K
-    handle = align_to_engine(model, schedule)
-    try:
-        aligned = op_check.teacher_forced(model, captures).groupby("point").differing.sum()
-    finally:
-        handle.undo()
+    aligned = op_check.teacher_forced(model, captures, schedule).groupby("point").differing.sum()
     assert set(aligned.index) == set(op_check.LAYER_POINTS) | {"final_norm", "token_logprobs"}
     if not ATTENTION_REPRODUCED:
         aligned = aligned.drop("attention")

@@ -59,3 +59,35 @@ def test_the_policy_names_only_points_of_the_layer():
     every = rounding_policy((*rla.REGIONS, "attention"), rla.AlignOptions(norm_weight="fp32", rope_rounding="truncate"))
     assert every.keep | every.truncate <= set(POINTS) | set(FINAL_POINTS)
     assert rounding_policy((), rla.AlignOptions()).keep == frozenset()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("case", ["stock", "the paper's three"])
+def test_replay_sees_every_rounded_point_and_the_layer_carries_on_with_what_it_returns(arch, case):
+    regions, options = CASES[case]
+    model = build(arch, attn="sdpa")
+    seen: dict = {}
+
+    def identity(point, layer, rounded):
+        seen.setdefault(layer, set()).add(point)
+        return rounded
+
+    plain = logits(model, regions=regions, **options) if regions else logits(model)
+    assert torch.equal(logits(model, regions=regions, replay=identity, **options), plain)  # replaying itself: stock bits
+    policy = rounding_policy(regions, rla.AlignOptions(**options))
+    layer_points = {p for p in POINTS if arch == "qwen3" or not p.startswith(("q_norm", "k_norm"))}
+    assert seen[0] == seen[1] == layer_points - policy.keep and seen["final"] == set(FINAL_POINTS) - policy.keep
+
+    def zero_last_mlp(point, layer, rounded):  # the last layer's MLP output replaced: only the residual carries on
+        return torch.zeros_like(rounded) if (point, layer) == ("down_proj", 1) else rounded
+
+    def without_last_mlp(module, args, output):
+        return torch.zeros_like(output)
+
+    hook = model.model.layers[1].mlp.register_forward_hook(without_last_mlp)
+    try:
+        expected = logits(model, regions=regions, **options) if regions else logits(model)
+    finally:
+        hook.remove()
+    assert not torch.equal(expected, plain)
+    assert torch.equal(logits(model, regions=regions, replay=zero_last_mlp, **options), expected)

@@ -1,15 +1,16 @@
 """What is left between the aligned training side and the engine, op by op (teacher forcing).
 
     caps = op_check.captured("qwen3-tiny")                    # eager vLLM scores a few sequences (a subprocess)
-    table = op_check.teacher_forced(model, caps)              # model: a Transformers Qwen, aligned as you like
+    table = op_check.teacher_forced(model, caps, schedule)    # model: a stock Transformers Qwen; aligned to `schedule`
     kernels = op_check.attention_kernels(caps, model.config)  # each attention numerics on the engine's q/k/v
 
 The engine runs in eager mode (its modules one by one, so forward hooks see each op), in-process in a subprocess,
 and scores the sequences one at a time: hooks keep the input and output of every linear layer and of attention,
-the final norm's output and the engine's token logprobs. The training side then scores the same sequences with
-hooks that compare each of its values with the engine's at the same point and then put the engine's value in its
-place. Every op so starts from the engine's own inputs and each count of differing elements is that op's own, not
-carried in from earlier layers. A compiled engine runs its graph as one kernel per fusion, which hooks cannot
+the final norm's output and the engine's token logprobs. The training side then scores the same sequences through
+the layer's own rounding points (`rla_lib.qwen_layer`, `align(..., replay=...)`): at each point where the engine
+hands a value over, its value is compared with the engine's and the engine's is put in its place. Every op so
+starts from the engine's own inputs and each count of differing elements is that op's own, not carried in from
+earlier layers. A compiled engine runs its graph as one kernel per fusion, which hooks cannot
 see into; its remainder is read from its code instead (`rla_lib.graphs`).
 
 The points, per layer: `input_norm` (the input of q/k/v_proj), `q_proj`, `k_proj`, `v_proj`, `attention` (Q/K
@@ -32,8 +33,10 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
+from ..align import align
 from ..attention import KERNELS as ATTENTION_KERNELS
 from ..engine import Engine
+from ..graphs import load_schedule, schedule_to_align_kwargs
 from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
 from ..mismatch import core_digest
 from ..models import resolve_model
@@ -121,81 +124,70 @@ class _Tally:
                              for (layer, point), (d, n, m) in self.rows.items()])
 
 
-def _forcing_hooks(model, points: dict, tally: _Tally) -> list:
-    """Hooks comparing each point with the engine's value and then replacing it by that value."""
-    config = model.config
+# The layer's rounding points (`qwen_layer.POINTS`) at which the engine's modules hand over a value, by the name this
+# check reports them under: the norms' outputs are the inputs of the projections after them, attention's the input of
+# o_proj, the SwiGLU product the input of down_proj.
+CHECKED = {"input_norm.weight": "input_norm", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+           "attention": "attention", "o_proj": "o_proj", "post_norm.weight": "post_norm", "gate_proj": "gate_proj",
+           "up_proj": "up_proj", "swiglu": "swiglu", "down_proj": "down_proj", "final_norm.weight": "final_norm"}
+
+
+def engine_values(points: dict, config) -> dict:
+    """The engine's value at each checked point of one sequence's capture, by (layer, name)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-
-    def before(key, engines, check=True):
-        def hook(module, args):
-            if check:
-                tally.compare(key, args[0], engines)
-            return (engines.reshape(args[0].shape).to(args[0].dtype), *args[1:])
-        return hook
-
-    def after(key, engines):
-        def hook(module, args, output):
-            tally.compare(key, output, engines)
-            return engines.reshape(output.shape).to(output.dtype)
-        return hook
-
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+    values = {("final", "final_norm"): points["final_norm"][1]}
+    for i in range(config.num_hidden_layers):
         qkv_in, qkv_out = points[f"{i}.qkv"]
+        (gate_up_in, gate_up_out), (o_in, o_out), (down_in, down_out) = (points[f"{i}.{m}"] for m in ("gate_up", "o", "down"))
         q, k, v = qkv_out.split([q_size, kv_size, kv_size], -1)
-        o_in, o_out = points[f"{i}.o"]
-        gate_up_in, gate_up_out = points[f"{i}.gate_up"]
         gate, up = gate_up_out.chunk(2, -1)
-        down_in, down_out = points[f"{i}.down"]
-        hooks += [attn.q_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in)),
-                  attn.k_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in, check=False)),
-                  attn.v_proj.register_forward_pre_hook(before((i, "input_norm"), qkv_in, check=False)),
-                  attn.q_proj.register_forward_hook(after((i, "q_proj"), q)),
-                  attn.k_proj.register_forward_hook(after((i, "k_proj"), k)),
-                  attn.v_proj.register_forward_hook(after((i, "v_proj"), v)),
-                  attn.o_proj.register_forward_pre_hook(before((i, "attention"), o_in)),
-                  attn.o_proj.register_forward_hook(after((i, "o_proj"), o_out)),
-                  mlp.gate_proj.register_forward_pre_hook(before((i, "post_norm"), gate_up_in)),
-                  mlp.up_proj.register_forward_pre_hook(before((i, "post_norm"), gate_up_in, check=False)),
-                  mlp.gate_proj.register_forward_hook(after((i, "gate_proj"), gate)),
-                  mlp.up_proj.register_forward_hook(after((i, "up_proj"), up)),
-                  mlp.down_proj.register_forward_pre_hook(before((i, "swiglu"), down_in)),
-                  mlp.down_proj.register_forward_hook(after((i, "down_proj"), down_out))]
-    hooks.append(model.model.norm.register_forward_hook(after(("final", "final_norm"), points["final_norm"][1])))
-    return hooks
+        values |= {(i, name): value for name, value in zip(LAYER_POINTS, (
+            qkv_in, q, k, v, o_in, o_out, gate_up_in, gate, up, down_in, down_out))}
+    return values
 
 
-def teacher_forced(model, captures: dict) -> pd.DataFrame:
+class _Forcing:
+    """A `replay` for `align`: compare each checked point's value with the engine's, then carry on with the engine's."""
+
+    def __init__(self, tally: _Tally):
+        self.tally, self.engines = tally, {}
+
+    def __call__(self, point: str, layer, rounded: torch.Tensor) -> torch.Tensor:
+        if point not in CHECKED:
+            return rounded
+        engines = self.engines[(layer, CHECKED[point])]
+        self.tally.compare((layer, CHECKED[point]), rounded, engines)
+        return engines.reshape(rounded.shape).to(rounded.dtype)
+
+
+def teacher_forced(model, captures: dict, schedule: dict | str | Path | None = None, regions=(), **options) -> pd.DataFrame:
     """Per layer and point: how many elements of the training side's value differ from the engine's, when every
-    op is fed the engine's inputs (the model is used as it is: stock, or aligned by the caller).
+    op is fed the engine's inputs. The training side is `model` (stock) run through `rla_lib.qwen_layer`, aligned to
+    an engine `schedule` (a dict or its file) or to `regions` with `options` as `align` takes them.
 
     The linear layers run torch's BF16 GEMM here whatever the CPU: it is the engine's own kernel at every level
     (`benchmarks/bf16_matmul.py`: bitwise equal), while the FP32-products path `load_model` picks without BF16
     instructions sums in another order (about 0.01% of outputs differ). So the check counts alignment, not GEMMs."""
+    if schedule is not None:
+        regions, options = schedule_to_align_kwargs(schedule if isinstance(schedule, dict) else load_schedule(schedule))
+    tally = _Tally()
+    forcing = _Forcing(tally)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and has_fp32_matmul(m)]
     use_bf16_matmul(model, "native")
+    handle = align(model, regions, replay=forcing, **options)
     try:
-        return _teacher_forced(model, captures)
-    finally:
-        for m in linears:
-            use_bf16_matmul(m, "fp32")
-
-
-def _teacher_forced(model, captures: dict) -> pd.DataFrame:
-    tally = _Tally()
-    for sequence, points, engine_logprobs in zip(captures["sequences"], captures["points"], captures["token_logprobs"]):
-        hooks = _forcing_hooks(model, points, tally)
-        try:
+        for sequence, points, engine_logprobs in zip(captures["sequences"], captures["points"], captures["token_logprobs"]):
+            forcing.engines = engine_values(points, model.config)
             ids, mask = pad_batch([sequence])
             with torch.no_grad():
                 hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[0, :-1]
                 mine = head_logprobs(model.lm_head, hidden, ids[0, 1:])
-        finally:
-            for h in hooks:
-                h.remove()
-        tally.compare(("final", "token_logprobs"), mine.float(), engine_logprobs)
+            tally.compare(("final", "token_logprobs"), mine.float(), engine_logprobs)
+    finally:
+        handle.undo()
+        for m in linears:
+            use_bf16_matmul(m, "fp32")
     return tally.frame()
 
 
