@@ -67,7 +67,8 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # where dose-steps (lr 3e-5) rose from 0.39 to 0.45-0.51 in 60 steps. slow-steps' FP32 control plateaued near 0.5;
 # wide-steps halves its gradient variance (32 prompts per step), and since its sampling entropy is only about 0.03
 # nats per token, t1.5-steps explores by sampling its rollouts at temperature 1.5 (evaluated at 1.0, as every run),
-# and group16-steps by drawing 16 responses per prompt
+# and group16-steps by drawing 16 responses per prompt; wide-1e-4-steps doubles wide-steps' step size, which at 16
+# prompts per step (learn-steps) learned nothing
 STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
 LEARN = ["FP32 control", "default BF16"]
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
@@ -87,6 +88,7 @@ GRID = [  # (tag, settings, seeds, configs)
     ("wide-steps", dict(STEPS_TASK, lr=5e-5, steps=100, prompts_per_step=32), (0,), ["FP32 control"]),
     ("t1.5-steps", dict(STEPS_TASK, lr=5e-5, steps=100, temperature=1.5), (0,), ["FP32 control"]),
     ("group16-steps", dict(STEPS_TASK, lr=5e-5, steps=100, group_size=16), (0,), ["FP32 control"]),
+    ("wide-1e-4-steps", dict(STEPS_TASK, lr=1e-4, steps=100, prompts_per_step=32), (0,), ["FP32 control"]),
 ]
 
 
