@@ -155,16 +155,25 @@ def sidecar_from_git() -> None:
                   note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
 
 
+def finished(run_id: str, settings: dict) -> pd.DataFrame | None:
+    """A run's history from `results/grpo_sweep/` once it has all its steps (a run checkpoints its history on the way:
+    an unfinished one is still running, or was stopped, and is not collected)."""
+    path = OUT / run_id / "history.csv"
+    if not path.exists():
+        return None
+    history = pd.read_csv(path)
+    return history if history["step"].max() >= settings["steps"] else None
+
+
 def collect(runs) -> tuple[pd.DataFrame, list[str]]:
-    """Histories of every planned run: from `results/grpo_sweep/` where it ran here, else kept from the shipped
+    """Histories of every planned run: from `results/grpo_sweep/` where it finished here, else kept from the shipped
     file (so re-running one arm, e.g. `--configs "default BF16, 3-bit rollouts"`, replaces just that arm).
     Returns the histories and the ids of the runs taken from `results/`."""
     shipped = pd.read_csv(SHIPPED) if SHIPPED.exists() else pd.DataFrame(columns=["run"])
     frames, fresh = [], []
-    for run_id, labels, _ in runs:
-        path = OUT / run_id / "history.csv"
-        if path.exists():
-            frames.append(pd.read_csv(path).assign(run=run_id, **labels))
+    for run_id, labels, settings in runs:
+        if (history := finished(run_id, settings)) is not None:
+            frames.append(history.assign(run=run_id, **labels))
             fresh.append(run_id)
         elif run_id in set(shipped["run"]):
             frames.append(shipped[shipped["run"] == run_id])
@@ -203,7 +212,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
 
     if failed:  # the finished runs are kept; start the sweep again to retry these (each resumes from its checkpoint)
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
-    if not args.collect_only and any(not (OUT / run_id / "history.csv").exists() for run_id, *_ in runs):
+    if not args.collect_only and any(finished(run_id, settings) is None for run_id, _, settings in runs):
         print("other workers still hold runs of this list: the last one to finish collects")
         raise SystemExit(0)
     every = list(planned_runs())

@@ -52,3 +52,17 @@ def test_the_study_grid_names_known_arms(sweep):
         assert arm["tis"] == ("tis_cap" in settings and settings["tis_cap"] is not None)
     kinds = {dose_response.arm_of(labels["config"])["kind"] for _, labels, _ in planned}
     assert {"none", "bits", "noise", "fp32", "aligned"} <= kinds
+
+
+def test_only_finished_runs_are_collected(sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "OUT", tmp_path)
+    monkeypatch.setattr(sweep, "SHIPPED", tmp_path / "shipped.csv.gz")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "history.csv").write_text("step,reward\n0,\n1,0.5\n2,0.6\n")
+    (tmp_path / "running").mkdir()  # checkpointed on the way: its history stops short of its steps
+    (tmp_path / "running" / "history.csv").write_text("step,reward\n0,\n1,0.5\n")
+    runs = [("done", dict(sweep="s", config="c", seed=0), dict(steps=2)),
+            ("running", dict(sweep="s", config="c", seed=1), dict(steps=2))]
+    data, fresh = sweep.collect(runs)
+    assert fresh == ["done"] and set(data["run"]) == {"done"}
+    assert sweep.finished("running", runs[1][2]) is None and sweep.finished("absent", dict(steps=2)) is None
