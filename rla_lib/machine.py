@@ -172,8 +172,13 @@ def engine_core_environment(slot: int) -> dict[str, str]:
     A binding already set wins (the settings search sets its own per worker)."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[slot % len(cores)])}
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity: `taskset` or a container's cpuset narrow it below cpu_count)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def vllm_cpu_attention_kernel() -> str:

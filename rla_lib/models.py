@@ -7,7 +7,6 @@ a local checkpoint directory and a hub name (where the hub is reachable) work un
 from __future__ import annotations
 
 import json
-import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .machine import engine_core_environment, use_bf16_matmul
+from .machine import engine_core_environment, usable_cores, use_bf16_matmul
 from .paths import MODELS_DIR
 from .settings import setting
 
@@ -141,11 +140,12 @@ def concurrent_processes(models) -> int:
     the KV cache (VLLM_CPU_KVCACHE_SPACE) and a copy of the model. So 2 for the small embedded models, 1 for
     anything with a real vocabulary (a real checkpoint's engine can take most of the memory). Concurrency changes
     no bit: a cold `make run-all` with it gave every result table of notebooks 02-07 bitwise as one at a time did.
-    RLA_PROCESSES=<n> overrides (1: one at a time; `make test` sets it, its test processes already fill the cores)."""
+    RLA_PROCESSES=<n> overrides (1: one at a time; `make test` sets it, its test processes already fill the cores).
+    The cores counted are those this process may use (`machine.usable_cores`: under `taskset -c 0`, one)."""
     if setting("RLA_PROCESSES"):
         return max(1, int(setting("RLA_PROCESSES")))
     small = all(resolve_model(m).small_vocab for m in models)
-    return 2 if small and (os.cpu_count() or 1) >= 2 else 1
+    return 2 if small and len(usable_cores()) >= 2 else 1
 
 
 def side_by_side(function, jobs, processes: int) -> list:

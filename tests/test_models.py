@@ -94,14 +94,14 @@ def test_engine_processes_run_two_at_a_time_only_for_small_models(tmp_path, monk
     from rla_lib import models
 
     monkeypatch.delenv("RLA_PROCESSES", raising=False)
-    monkeypatch.setattr(models.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(models, "usable_cores", lambda: [0, 1])
     assert models.concurrent_processes(["qwen3-tiny", "qwen2-tiny"]) == 2
     big = tmp_path / "big"
     shutil.copytree(EMBEDDED_MODELS["qwen3-tiny"], big)
     config = json.loads((big / "config.json").read_text())
     (big / "config.json").write_text(json.dumps(config | {"vocab_size": 151936}))  # a real vocabulary: one at a time
     assert models.concurrent_processes(["qwen3-tiny", big]) == 1
-    monkeypatch.setattr(models.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(models, "usable_cores", lambda: [3])  # e.g. `taskset -c 3`: one core, however many the CPU has
     assert models.concurrent_processes(["qwen3-tiny"]) == 1
     monkeypatch.setenv("RLA_PROCESSES", "3")
     assert models.concurrent_processes([big]) == 3
@@ -111,9 +111,10 @@ def test_side_by_side_runs_each_job_in_a_slot_no_other_running_job_holds(monkeyp
     import threading
     import time
 
-    from rla_lib import models
+    from rla_lib import machine, models
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(machine, "usable_cores", lambda: [0, 1])  # whatever cores the test itself may use
     running, lock, seen = set(), threading.Lock(), []
 
     def job(n, env):
