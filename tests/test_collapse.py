@@ -107,6 +107,27 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
     assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
         "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
     assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")
+    control_alone = pd.DataFrame({("s", "FP32 control"): {"seeds": 1, "collapses": 0}}).T  # a search of the control alone
+    assert c.verdict(control_alone, "s").startswith("no default BF16 arm")
+
+
+def test_learning_compares_the_second_half_with_step_0_by_binomial_noise():
+    steps = [0, 10, 20, 30, 40]
+
+    def run(name, accuracies, n=512, config="FP32 control"):
+        return pd.DataFrame({"run": name, "sweep": name, "seed": 0, "config": config, "eval_prompts": n, "step": steps,
+                             "eval_accuracy": accuracies})
+
+    h = pd.concat([run("rises", [0.40, 0.45, 0.50, 0.52, 0.54]), run("flat", [0.40, 0.45, 0.38, 0.41, 0.42]),
+                   run("few problems", [0.40, 0.45, 0.50, 0.52, 0.54], n=16), run("other arm", [0.4] * 5, config="x")])
+    t = c.learning(h).set_index("sweep")
+    assert list(t.index) == ["rises", "flat", "few problems"]  # the FP32 control's runs only
+    assert t.loc["rises", "late"] == pytest.approx(0.53) and t.loc["rises", "late_evaluations"] == 2  # steps 30 and 40
+    assert t.loc["rises", "gain_se"] == pytest.approx(math.hypot(math.sqrt(0.4 * 0.6 / 512), math.sqrt(0.53 * 0.47 / 1024)))
+    assert t.loc["rises", "peak"] == 0.54 and t.loc["rises", "peak_step"] == 40
+    assert t["learned"].tolist() == [True, False, False]  # the same curve on 16 problems is within noise
+    with pytest.raises(ValueError, match="problems"):
+        c.learning(run("unknown", [0.4] * 5).assign(eval_prompts=np.nan))
 
 
 def test_the_mismatch_alarm_fires_when_the_running_median_reaches_three_times_the_start():

@@ -111,18 +111,23 @@ def sweep_histories(runs: dict) -> pd.DataFrame:
                       for (tag, config), seeds in runs.items() for i, acc in enumerate(seeds)], ignore_index=True)
 
 
-def test_sweep_report_answers_from_the_counts():
+def test_sweep_differences_compare_each_arm_with_default_bf16_from_the_counts():
     fell, held = [0.5, 0.7, 0.5], [0.5, 0.7, 0.7]
     h = sweep_histories({("lr1", "default BF16"): [fell, held], ("lr1", "all three"): [held, held],
-                         ("lr1", "FP32 control"): [held, held],
-                         ("lr2", "default BF16"): [fell, fell], ("lr2", "FP32 control"): [fell, fell]})
+                         ("lr2", "default BF16"): [fell, fell], ("lr2", "FP32 control"): [fell, fell],
+                         ("one seed", "default BF16"): [fell], ("one seed", "FP32 control"): [held],
+                         ("control alone", "FP32 control"): [held]})  # a learning search: nothing to compare
     seeds = stability.compare_seeds(h, by=("sweep", "config"), eval_prompts=256)
-    assert stability.paper_like(seeds, "lr1") and not stability.paper_like(seeds, "lr2")
-    assert stability.failures(seeds, ("lr2", "FP32 control")) == 2
-    lines = stability.sweep_report(seeds, h)
-    assert any(l.startswith("   lr1:") and "-> yes" in l for l in lines)
-    assert any(l.startswith("   lr2:") and "-> no" in l for l in lines)
-    assert any("at least as often as default BF16: lr2 " in l for l in lines)  # FP32 fails there without the BF16 mismatch
-    assert lines[-1].startswith("   mean response 5 tokens")
-    settings = stability.sweep_settings_report(seeds)
-    assert "  default BF16 vs all three: final accuracy -0.100 ± 0.100 -> no different (within 2 se)" in settings
+    t = stability.sweep_differences(seeds)
+    assert list(t.index) == [("lr1", "all three"), ("lr2", "FP32 control"), ("one seed", "FP32 control")]
+    lr1 = t.loc[("lr1", "all three")]
+    assert (lr1["failed"], lr1["default BF16 failed"], lr1["seeds"]) == (0, 1, 2)
+    assert lr1["final minus default BF16"] == pytest.approx(0.1)  # seed means 0.7 and 0.6
+    assert lr1["se"] == pytest.approx(np.hypot(seeds.loc[("lr1", "all three"), ("eval acc last", "se")],
+                                               seeds.loc[("lr1", "default BF16"), ("eval acc last", "se")]))
+    assert lr1["verdict"] == "no different (within 2 se)"  # 0.1 against 2 x 0.1
+    assert t.loc[("lr2", "FP32 control"), ["failed", "default BF16 failed"]].tolist() == [2, 2]
+    assert t.loc[("one seed", "FP32 control"), "verdict"].startswith("cannot tell")
+    scale = stability.mismatch_per_response(h)
+    assert scale["response tokens"] == 5.0
+    assert scale["k3 per response (nats)"] == pytest.approx(5.0 * scale["k3 per token (1e-4)"] * 1e-4)

@@ -344,12 +344,14 @@ def block_grpo_sweep() -> str:
     policy = "eval acc policy last mean" in t.columns
     rows = []
     for _, r in t.iterrows():
+        pm = lambda m, mean=".3f", se=".3f": (f"{r[m + ' mean']:{mean}} ± {r[m + ' se']:{se}}" if r["seeds"] > 1
+                                              else f"{r[m + ' mean']:{mean}} (one seed)")
         row = [r["sweep"], r["config"], f"{int(r['degraded'])}/{int(r['seeds'])}", f"{int(r['diverged'])}/{int(r['seeds'])}",
-               f"{r['eval acc first mean']:.3f} → {r['eval acc last mean']:.3f} ± {r['eval acc last se']:.3f}"]
+               f"{r['eval acc first mean']:.3f} → " + pm("eval acc last")]
         if policy:
             has = r["eval acc policy last mean"] == r["eval acc policy last mean"] and r["config"].endswith("rollouts")
-            row.append(f"{r['eval acc policy last mean']:.3f} ± {r['eval acc policy last se']:.3f}" if has else "")
-        row.append(f"{r['k3 mean (1e-4) mean']:.3g} ± {r['k3 mean (1e-4) se']:.2g}")
+            row.append(pm("eval acc policy last") if has else "")
+        row.append(pm("k3 mean (1e-4)", ".3g", ".2g"))
         rows.append(row)
     header = ["sweep", "configuration", "degraded", "diverged at once", "held-out accuracy start → last (mean ± se over seeds)"]
     header += ["trained BF16 policy, last"] if policy else []
@@ -405,10 +407,21 @@ def block_collapse() -> str:
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
                                                      for q, v in d.items() if q.startswith("seeds per arm") and v == v) + ".",
     ]
+    learned, learning_meta = load_table("06_learning")
     warning, warning_meta = load_table("06_collapse_warning")
     header = ["sweep", *[f"{a}: collapsed" for a in arms], "runs that rose first (peak after step 0)", "verdict"]
-    return "\n\n".join([md_table(header, rows), *facts, warning_sentence(warning, warning_meta["params"]),
+    return "\n\n".join([md_table(header, rows), learning_sentence(learned), *facts,
+                        warning_sentence(warning, warning_meta["params"]), source("06_learning", learning_meta),
                         source("06_collapse", meta), source("06_collapse_warning", warning_meta)])
+
+
+def learning_sentence(learned) -> str:
+    """Does the FP32 control learn (`06_learning`)? Without a rise there is nothing to collapse from."""
+    best = learned.loc[learned["gain"].idxmax()]
+    return (f"First, learning (`collapse.learning`): the FP32 control's held-out accuracy over the second half of a run "
+            f"beat its step 0 by more than two binomial standard errors in {int(learned['learned'].sum())} of "
+            f"{len(learned)} runs; the largest gain, {best['sweep']} seed {int(best['seed'])}: {best['first']:.3f} → "
+            f"{best['late']:.3f} ({best['gain']:+.3f} ± {best['gain_se']:.3f}; peak {best['peak']:.3f}).")
 
 
 def warning_sentence(warning, params) -> str:

@@ -7,6 +7,7 @@
     seeds_for_rates(rate_a, rate_b)             # seeds per arm for that test to see rate_a vs rate_b
     seeds_for_difference(sd, delta)             # seeds per arm to see a difference in final accuracy
     mismatch_alarm(steps, mismatch)             # the step at which a run's mismatch starts rising (or None)
+    learning(histories)                         # per run of one arm: did it learn beyond noise (nothing to collapse if not)
     warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
@@ -125,6 +126,31 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def learning(histories, config: str = "FP32 control", problems: int | None = None) -> "pd.DataFrame":
+    """Per run of `config` (one row per sweep and seed): held-out accuracy at step 0, its peak, the last evaluation and
+    the mean of the evaluations in the run's second half (`late`: less noisy than the last alone), the gain of `late`
+    over step 0 with its binomial standard error (on a fixed problem set, an upper bound of the sampling noise) and
+    `learned`: a gain beyond NOISE_Z standard errors. Learning comes first: a run that learns nothing has nothing to
+    collapse from."""
+    import pandas as pd
+
+    rows = []
+    for run, h in histories[histories["config"] == config].groupby("run", sort=False):
+        ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
+        n = int(h["eval_prompts"].dropna().iloc[0]) if h["eval_prompts"].notna().any() else problems
+        if n is None:
+            raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
+        first, steps, acc = ev["eval_accuracy"].iloc[0], ev["step"].to_numpy(), ev["eval_accuracy"].to_numpy()
+        late = acc[steps > steps[-1] / 2]
+        gain = late.mean() - first
+        se = float(np.hypot(binomial_se(first, n), binomial_se(late.mean(), n * len(late))))
+        rows.append(dict(sweep=h["sweep"].iloc[0], seed=int(h["seed"].iloc[0]), steps=int(steps[-1]), problems=n,
+                         first=first, peak=acc.max(), peak_step=int(steps[acc.argmax()]), last=acc[-1],
+                         late=late.mean(), late_evaluations=len(late), gain=gain, gain_se=se,
+                         learned=bool(gain > NOISE_Z * se)))
+    return pd.DataFrame(rows)
+
+
 def collapse_rates(histories, by=("sweep", "config"), reference: str = "default BF16",
                    problems: int | None = None) -> "pd.DataFrame":
     """Per setting (`by`): seeds, collapses with the exact interval, median step of collapse, training steps and how
@@ -173,6 +199,8 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     less often than `reference` beyond chance; "step size, not mismatch" where `control` (no mismatch) collapses and
     is not told apart from `reference`; else what the seeds cannot tell."""
     g = rates.loc[sweep]
+    if reference not in g.index:
+        return f"no {reference} arm ({', '.join(g.index)} only): nothing to compare"
     ref = g.loc[reference]
     if ref["collapses"] == 0:
         return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})"

@@ -2,7 +2,8 @@
 
     summary = summarize(history)                   # one run in a row (accuracy first/peak/last, verdict, mismatch)
     seeds = compare_seeds(histories, by=("config",))   # runs that differ by seed: mean and se per setting
-    short_run_report(summaries); sweep_report(seeds, histories)   # the verdict lines notebook 06 prints
+    short_run_report(summaries)                    # the short runs' verdict lines notebook 06 prints
+    sweep_differences(seeds)                       # the settings search: each arm against default BF16, a verdict each
 
 A held-out accuracy is a binomial proportion; every "lower", "degraded" or "no different" below comes
 from the numbers and their standard errors (`NOISE_Z` of them), never typed in.
@@ -157,7 +158,7 @@ def load_sweep(histories_path) -> tuple[pd.DataFrame, dict]:
 
 
 # ---- the verdicts notebook 06 prints --------------------------------------------------------
-DEFAULT, ALIGNED, FP32, COARSE = "default BF16", ("rope", "all three"), "FP32 control", "default BF16, 3-bit rollouts"
+DEFAULT, ALIGNED, FP32 = "default BF16", ("rope", "all three"), "FP32 control"
 
 
 def status(row) -> str:
@@ -166,7 +167,10 @@ def status(row) -> str:
 
 
 def difference_word(diff: float, se: float) -> str:
-    """a - b = diff ± se: 'lower', 'higher', or 'no different' within NOISE_Z standard errors."""
+    """a - b = diff ± se: 'lower', 'higher', or 'no different' within NOISE_Z standard errors; without an error
+    (one seed each: no seed-to-seed spread) 'cannot tell'."""
+    if not np.isfinite(se):
+        return "cannot tell (one seed: no seed-to-seed error)"
     return "lower" if diff < -NOISE_Z * se else "higher" if diff > NOISE_Z * se else f"no different (within {NOISE_Z:g} se)"
 
 
@@ -203,104 +207,34 @@ def short_run_report(summary: pd.DataFrame, steps: int) -> list[str]:
     return lines
 
 
-def seed_counts(seeds: pd.DataFrame, key) -> dict:
-    """Seeds, and how many degraded or diverged, of one setting of a `compare_seeds` table."""
-    return {c: int(seeds.loc[key, (c, "")]) for c in ("seeds", "degraded", "diverged")}
+def sweep_differences(seeds: pd.DataFrame) -> pd.DataFrame:
+    """The settings search's comparisons as a table: per setting (sweep) with a default BF16 arm, each other arm's
+    failures (degraded or diverged at once) beside default BF16's, its final held-out accuracy minus default BF16's with
+    the standard error over seeds and the verdict word (one seed each has no seed-to-seed error: "cannot tell"), its
+    mismatch as a multiple of default BF16's and, for an arm whose engine holds coarser weights, the trained BF16
+    policy's own final accuracy minus default BF16's."""
+    rows = []
+    for tag, config in seeds.index:
+        if config == DEFAULT or (tag, DEFAULT) not in seeds.index:
+            continue
+        diff, se = seed_difference(seeds, (tag, config), (tag, DEFAULT))
+        row = {"sweep": tag, "config": config, "seeds": int(seeds.loc[(tag, config), ("seeds", "")]),
+               "failed": sum(int(seeds.loc[(tag, config), (f, "")]) for f in FLAGS),
+               "default BF16 failed": sum(int(seeds.loc[(tag, DEFAULT), (f, "")]) for f in FLAGS),
+               "final minus default BF16": diff, "se": se, "verdict": difference_word(diff, se),
+               "k3 / default BF16's": seeds.loc[(tag, config), ("k3 mean (1e-4)", "mean")]
+               / seeds.loc[(tag, DEFAULT), ("k3 mean (1e-4)", "mean")]}
+        policy = ("eval acc policy last", "mean")  # (elsewhere the engine holds the policy's own weights: the same)
+        if "-bit rollouts" in config and policy in seeds.columns and not np.isnan(seeds.loc[(tag, config), policy]):
+            row["trained policy minus default BF16"], row["policy se"] = seed_difference(
+                seeds, (tag, config), (tag, DEFAULT), "eval acc policy last", "eval acc last")
+        rows.append(row)
+    return pd.DataFrame(rows).set_index(["sweep", "config"])
 
 
-def counts_text(seeds: pd.DataFrame, key) -> str:
-    c = seed_counts(seeds, key)
-    return f"degraded in {c['degraded']}/{c['seeds']}, diverged at once in {c['diverged']}/{c['seeds']} seeds"
-
-
-def failures(seeds: pd.DataFrame, key) -> int:
-    c = seed_counts(seeds, key)
-    return c["degraded"] + c["diverged"]
-
-
-def _mean(seeds, key, metric="k3 mean (1e-4)") -> float:
-    return seeds.loc[key, (metric, "mean")]
-
-
-def _tags(seeds: pd.DataFrame) -> list:
-    return list(dict.fromkeys(seeds.index.get_level_values(0)))
-
-
-def sweep_settings_report(seeds: pd.DataFrame) -> list[str]:
-    """Per learning rate (tag): each configuration's counts and accuracies, and default BF16 against each other one."""
-    lines = []
-    for tag in _tags(seeds):
-        lines.append(f"== {tag}")
-        for c in seeds.loc[tag].index:
-            r = seeds.loc[(tag, c)]
-            lines.append(f"  {c:>30}: {counts_text(seeds, (tag, c))}; accuracy {r[('eval acc first', 'mean')]:.3f} -> peak "
-                         f"{r[('eval acc peak', 'mean')]:.3f} -> last {r[('eval acc last', 'mean')]:.3f} ± "
-                         f"{r[('eval acc last', 'se')]:.3f}; k3 measured {_mean(seeds, (tag, c)):.3g} x 1e-4/token")
-        for other in [c for c in seeds.loc[tag].index if c != DEFAULT]:
-            diff, se = seed_difference(seeds, (tag, DEFAULT), (tag, other))
-            lines.append(f"  {DEFAULT} vs {other}: final accuracy {diff:+.3f} ± {se:.3f} -> {difference_word(diff, se)}")
-    return lines
-
-
-def paper_like(seeds: pd.DataFrame, tag) -> bool:
-    """The paper's pattern at one setting: default BF16 degraded in some seed, all-three and FP32 in none."""
-    others = [o for o in ("all three", FP32) if o in seeds.loc[tag].index]
-    return seed_counts(seeds, (tag, DEFAULT))["degraded"] > 0 and not any(failures(seeds, (tag, o)) for o in others)
-
-
-def _paper_lines(seeds) -> list[str]:
-    lines = ["1. Does default BF16 degrade where aligned and FP32 hold?"]
-    for tag in _tags(seeds):
-        others = [o for o in ("all three", FP32) if o in seeds.loc[tag].index]
-        lower = [o for o in others if difference_word(*seed_difference(seeds, (tag, DEFAULT), (tag, o))) == "lower"]
-        lines.append(f"   {tag}: {DEFAULT} {counts_text(seeds, (tag, DEFAULT))}; "
-                     + "; ".join(f"{o} {counts_text(seeds, (tag, o))}" for o in others)
-                     + f" -> {'yes' if paper_like(seeds, tag) else 'no'}; final accuracy below "
-                     + (", ".join(lower) if lower else "neither") + f" by more than {NOISE_Z:g} se")
-    return lines
-
-
-def _fp32_control_lines(seeds) -> list[str]:
-    lines = ["\n2. Failures without the BF16 mismatch: the FP32 control (its k3 as measured) against default BF16"]
-    tags = [t for t in _tags(seeds) if (t, FP32) in seeds.index]
-    for tag in tags:
-        lines.append(f"   at {tag} the FP32 control (k3 {_mean(seeds, (tag, FP32)):.3g} x 1e-4) {counts_text(seeds, (tag, FP32))}; "
-                     f"{DEFAULT} (k3 {_mean(seeds, (tag, DEFAULT)):.3g} x 1e-4) {counts_text(seeds, (tag, DEFAULT))}")
-    as_often = [t for t in tags if 0 < failures(seeds, (t, FP32)) >= failures(seeds, (t, DEFAULT))]
-    lines.append("   where the FP32 control failed at least as often as default BF16: " + (", ".join(as_often) or "nowhere")
-                 + (" (at those learning rates the runs fail without needing the BF16 mismatch; this says nothing of other "
-                    "models or settings)" if as_often else ""))
-    return lines
-
-
-def _coarse_lines(seeds, has_policy_eval: bool) -> list[str]:
-    lines = [f"\n4. The deliberately larger mismatch ({COARSE})"]
-    for tag in [t for t in _tags(seeds) if (t, COARSE) in seeds.index]:
-        diff, se = seed_difference(seeds, (tag, COARSE), (tag, DEFAULT))
-        line = (f"   {tag}: k3 {_mean(seeds, (tag, COARSE)) / _mean(seeds, (tag, DEFAULT)):.3g}x default BF16's; "
-                f"{counts_text(seeds, (tag, COARSE))}; final accuracy of the engine's coarse copy vs default BF16 {diff:+.3f} ± {se:.3f}")
-        if has_policy_eval and not np.isnan(_mean(seeds, (tag, COARSE), "eval acc policy last")):
-            pdiff, pse = seed_difference(seeds, (tag, COARSE), (tag, DEFAULT), "eval acc policy last", "eval acc last")
-            line += f"; the trained BF16 policy itself vs default BF16 {pdiff:+.3f} ± {pse:.3f}"
-        lines.append(line)
-    if not has_policy_eval:
-        lines.append("   These histories predate `eval_accuracy_policy`: the 3-bit arm's accuracy is its coarse engine copy's only.")
-    return lines
-
-
-def sweep_report(seeds: pd.DataFrame, histories: pd.DataFrame) -> list[str]:
-    """The settings search's five questions, answered from a `compare_seeds` table indexed (tag, config)
-    and the stacked histories it came from."""
-    has_policy_eval = ("eval acc policy last", "mean") in seeds.columns
-    lines = _paper_lines(seeds) + _fp32_control_lines(seeds)
-    lines.append("\n3. Mismatch over a run (k3 mean of the first -> last 20% of steps, x 1e-4 per token)")
-    for tag in _tags(seeds):
-        lines.append(f"   {tag}: " + "; ".join(f"{c} {_mean(seeds, (tag, c), 'k3 first 20% (1e-4)'):.3g} -> "
-                                               f"{_mean(seeds, (tag, c), 'k3 last 20% (1e-4)'):.3g}" for c in seeds.loc[tag].index))
-    lines += _coarse_lines(seeds, has_policy_eval)
+def mismatch_per_response(histories: pd.DataFrame) -> dict:
+    """Default BF16's mismatch per response over the training steps of `histories`: mean response length (tokens),
+    k3 per token (1e-4 nats) and their product in nats, to set beside the paper's long responses."""
     train = histories[histories["step"] > 0]
     length, per_token = train["response_len"].mean(), train.loc[train["config"] == DEFAULT, "k3"].mean()
-    lines += ["\n5. Scale of the mismatch per response here",
-              f"   mean response {length:.3g} tokens; default BF16 k3 {per_token:.3g} x 1e-4 per token, "
-              f"about {length * per_token * 1e-4:.2g} nats per response"]
-    return lines
+    return {"response tokens": length, "k3 per token (1e-4)": per_token, "k3 per response (nats)": length * per_token * 1e-4}
