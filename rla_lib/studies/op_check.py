@@ -173,9 +173,9 @@ def teacher_forced(model, captures: dict, schedule: dict | str | Path | None = N
         regions, options = schedule_to_align_kwargs(schedule if isinstance(schedule, dict) else load_schedule(schedule))
     tally = _Tally()
     forcing = _Forcing(tally)
+    handle = align(model, regions, replay=forcing, **options)  # (refuses a model already aligned, saying so)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and has_fp32_matmul(m)]
     use_bf16_matmul(model, "native")
-    handle = align(model, regions, replay=forcing, **options)
     try:
         for sequence, points, engine_logprobs in zip(captures["sequences"], captures["points"], captures["token_logprobs"]):
             forcing.engines = engine_values(points, model.config)
