@@ -236,7 +236,7 @@ def default_context(spec: ModelSpec) -> int:
 class Engine:
     def __init__(
         self,
-        model: str | Path = "qwen3-tiny",
+        model: str | Path | ModelSpec = "qwen3-tiny",
         mode: str = "compiled",
         dtype: str = "bfloat16",
         seed: int = 0,

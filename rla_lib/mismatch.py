@@ -500,7 +500,7 @@ def measure(
     _temperature_kwargs(temperature)  # fail before any engine starts
     spec = resolve_model(model)
     if prompts is not None:  # rendered and checked here, before any engine starts
-        prompts = prompt_ids(prompts, load_tokenizer(spec.path), spec.name)
+        prompts = prompt_ids(prompts, load_tokenizer(spec), spec.name)
         check_room(prompts, max_tokens, default_context(spec))
         n_prompts = len(prompts)
     if training_configs is None:
@@ -510,13 +510,13 @@ def measure(
     full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"
     run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
-    run = _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts)
+    run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts)
     scorers = {sides.training(name): ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
     if fp32_reference:
         scorers[sides.FP32] = ("float32", (), {})
-    _score_training_sides(run, model, scorers, folder, full, temperature, progress)
+    _score_training_sides(run, spec, scorers, folder, full, temperature, progress)
     if not full:
-        _exact_at_large_vocab(run, model, modes, scorers, folder, temperature, progress)
+        _exact_at_large_vocab(run, spec, modes, scorers, folder, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}
     return run

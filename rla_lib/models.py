@@ -86,8 +86,11 @@ def _local_dir(model: str | Path) -> Path:
         ) from e
 
 
-def resolve_model(model: str | Path) -> ModelSpec:
-    """Find the checkpoint and check it is an architecture this project patches."""
+def resolve_model(model: str | Path | ModelSpec) -> ModelSpec:
+    """Find the checkpoint and check it is an architecture this project patches (a spec, resolved once, passes
+    through: callers resolve a name at the top and hand the spec down)."""
+    if isinstance(model, ModelSpec):
+        return model
     path = _local_dir(model)
     config = json.loads((path / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
@@ -175,7 +178,7 @@ def check_memory(spec: ModelSpec, bytes_per_parameter: float, what: str, advice:
                           f"{bytes_per_parameter:g} bytes) and this machine has {free / 2**30:.1f} GiB free. {advice}")
 
 
-def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu"):
+def load_model(model: str | Path | ModelSpec = "qwen3-tiny", dtype="bfloat16", device="cpu"):
     """The training side: the stock Transformers model (eager PyTorch, no compilation)."""
     spec = resolve_model(model)
     check_memory(spec, torch_dtype(dtype).itemsize, f"loading {spec.name} in {normalize_dtype(dtype)}",
@@ -192,5 +195,5 @@ def load_model(model: str | Path = "qwen3-tiny", dtype="bfloat16", device="cpu")
     return m
 
 
-def load_tokenizer(model: str | Path = "qwen3-tiny"):
+def load_tokenizer(model: str | Path | ModelSpec = "qwen3-tiny"):
     return AutoTokenizer.from_pretrained(resolve_model(model).path)

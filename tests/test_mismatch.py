@@ -6,6 +6,7 @@ import pytest
 
 from rla_lib import graphs, kl, mismatch, task
 from rla_lib.engine import Sample
+from rla_lib.models import resolve_model
 
 
 def _run(rng, prompts=(0, 0, 1)):
@@ -161,11 +162,12 @@ def test_load_or_sample(tmp_path):
 class FakeEngine:
     """Stands in for vLLM: deterministic samples and scores, and a log of which modes were started."""
 
-    started, score_temperatures = [], []
+    started, score_temperatures, given = [], [], []
 
     def __init__(self, model, mode="compiled", seed=0):
         self.mode = mode
         FakeEngine.started.append(mode)
+        FakeEngine.given.append(model)
 
     def __enter__(self):
         return self
@@ -198,7 +200,7 @@ class FakeEngine:
 def test_measure_reuses_samples_engine_scores_and_training_sides(tmp_path, monkeypatch):
     """Two calls with other modes and configurations: only what is missing is computed (real
     Transformers for the training side, a fake engine for vLLM)."""
-    FakeEngine.started = []
+    FakeEngine.started, FakeEngine.given = [], []
     monkeypatch.setattr(mismatch, "Engine", FakeEngine)
     scored = []
     real_scorer = mismatch.score_training_side
@@ -208,6 +210,7 @@ def test_measure_reuses_samples_engine_scores_and_training_sides(tmp_path, monke
 
     first = mismatch.measure("qwen3-tiny", modes=("compiled",), training_configs={"none": ((), {}), "stock": ((), {})}, **sizes)
     assert FakeEngine.started == ["compiled"] and scored == ["hf:bf16:none", "hf:fp32"]
+    assert FakeEngine.given == [resolve_model("qwen3-tiny")]  # the name is resolved once, at the top, and handed down
     np.testing.assert_array_equal(first.token_lp["hf:bf16:none"], first.token_lp["hf:bf16:stock"])  # same computation
     assert set(first.prompts) == {0, 2, 3, 4, 5} and len(first.sequences) == 10  # empty responses dropped
     assert first.sides == ["vllm:compiled", "hf:bf16:none", "hf:bf16:stock", "hf:fp32"]

@@ -15,7 +15,8 @@ from rla_lib.models import EMBEDDED_MODELS, load_model, resolve_model
 def test_embedded_models_resolve_and_load(name, arch):
     spec = resolve_model(name)
     assert spec.architecture == arch and spec.path == EMBEDDED_MODELS[name]
-    model = load_model(name)
+    assert resolve_model(spec) is spec  # resolved once at the top, a spec passes through every callee unchanged
+    model = load_model(spec)
     assert type(model).__name__ == arch
     assert next(model.parameters()).dtype == torch.bfloat16
     size_mb = sum(p.stat().st_size for p in spec.path.iterdir()) / 2**20
