@@ -126,6 +126,14 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def _problems(run, history, problems: int | None) -> int:
+    """Problems per evaluation of one run: its `eval_prompts` column, else `problems` (histories without the column)."""
+    n = int(history["eval_prompts"].dropna().iloc[0]) if history["eval_prompts"].notna().any() else problems
+    if n is None:
+        raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
+    return n
+
+
 def learning(histories, config: str = "FP32 control", problems: int | None = None) -> "pd.DataFrame":
     """Per run of `config` (one row per sweep and seed): held-out accuracy at step 0, its peak, the last evaluation and
     the mean of the evaluations in the run's second half (`late`: less noisy than the last alone), the gain of `late`
@@ -137,9 +145,7 @@ def learning(histories, config: str = "FP32 control", problems: int | None = Non
     rows = []
     for run, h in histories[histories["config"] == config].groupby("run", sort=False):
         ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
-        n = int(h["eval_prompts"].dropna().iloc[0]) if h["eval_prompts"].notna().any() else problems
-        if n is None:
-            raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
+        n = _problems(run, h, problems)
         first, steps, acc = ev["eval_accuracy"].iloc[0], ev["step"].to_numpy(), ev["eval_accuracy"].to_numpy()
         late = acc[steps > steps[-1] / 2]
         gain = late.mean() - first
@@ -163,9 +169,7 @@ def collapse_rates(histories, by=("sweep", "config"), reference: str = "default 
     rows = []
     for run, h in histories.groupby("run", sort=False):
         ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
-        n = int(h["eval_prompts"].dropna().iloc[0]) if h["eval_prompts"].notna().any() else problems
-        if n is None:
-            raise ValueError(f"run {run} does not say how many problems each evaluation used: pass problems=")
+        n = _problems(run, h, problems)
         out = collapse(ev["step"], ev["eval_accuracy"], n)
         rose = out["peak_step"] not in (None, 0)
         trained = h[h["step"] > 0]
