@@ -11,7 +11,8 @@ Takes as long as the suite: about 10 minutes on 2 cores.
 core for the whole run (`--load`: what a busy CI machine does to the suite's timing assumptions). Each test's outcome
 in each run (pytest's JUnit XML) goes to tables/bench_suite_repeats.csv, one column group per condition
 ("plain" or "loaded", at the machine's own level or "<level> (capped)" with `--env ISA=<level>`); every run's time
-goes to tables/bench_fresh_clone.csv as "<condition> #k", k counting on from the runs the table holds. A test that failed once is a flaky test to fix at its root.
+goes to tables/bench_fresh_clone.csv as "<condition> #k", k counting on from the runs the table holds, and each test's
+seconds to tables/bench_test_times.csv (one column per run: where the suite's time goes, before and after a change). A test that failed once is a flaky test to fix at its root.
 
 --target run-all: `make run-all` in the clone, with compile caches as cold as on a fresh machine (TMPDIR, where
 inductor and the capped levels keep theirs, is a new empty folder; vLLM's own cache is in the clone). The clone's
@@ -50,11 +51,15 @@ def pytest_counts(output: str) -> dict[str, int]:
     return max(summaries, key=lambda c: sum(c.values()), default={})  # the suite's, not the smaller align runs after it
 
 
+def test_name(case: ET.Element) -> str:
+    return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+
+
 def test_outcomes(junit_xml: Path) -> dict[str, str]:
     """Each test's outcome in one run from pytest's JUnit XML: passed, failed, skipped or xfailed."""
     outcomes = {}
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        name = test_name(case)
         skipped = case.find("skipped")
         if case.find("failure") is not None or case.find("error") is not None:
             outcomes[name] = "failed"
@@ -63,6 +68,23 @@ def test_outcomes(junit_xml: Path) -> dict[str, str]:
         else:
             outcomes[name] = "passed"
     return outcomes
+
+
+def save_test_times(condition: str, label: str, junit_xml: Path, commit: str) -> pd.DataFrame:
+    """Each test's seconds in one run (set-up, call and tear-down, as JUnit XML gives them) and each file's sum, in
+    tables/bench_test_times.csv: one column per run label, so a change's before and after sit side by side. The
+    suite runs files whole on two processes (--dist loadfile), so the slowest files set its time."""
+    times = {test_name(c): float(c.get("time", 0)) for c in ET.parse(junit_xml).getroot().iter("testcase")}
+    new = pd.Series(times, name=label).rename_axis("test").to_frame()
+    path = TABLES_DIR / "bench_test_times.csv"
+    if path.exists():
+        old = pd.read_csv(path, index_col="test").drop(columns=[label], errors="ignore")
+        new = old.join(new, how="outer")
+    new = new.round(2)
+    save_table(new, "bench_test_times", dict(labels=list(new.columns), condition=condition), commit=commit)
+    by_file = new[label].groupby(new.index.str.split("::").str[0]).sum().sort_values(ascending=False)
+    print(f"{label}: slowest files (s):", by_file.head(12).round(0).to_dict())
+    return new
 
 
 @contextmanager
@@ -130,6 +152,8 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
             test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone, env)
         atomic_write(RESULTS_DIR / f"fresh_clone_{slug_condition(condition)}_{k}.log", lambda tmp: tmp.write_text(out))
         runs.append(test_outcomes(junit) if junit.exists() else {})
+        if junit.exists():
+            save_test_times(condition, f"{condition} #{k} ({commit})", junit, commit)
         exit_codes.append(rc)
         failed = sorted(t for t, o in runs[-1].items() if o == "failed")
         print(f"{condition} #{k}: exit {rc}, {test_s / 60:.1f} min, {len(runs[-1])} tests, failed: {failed or 'none'}", flush=True)

@@ -222,6 +222,24 @@ def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch)
     assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
 
 
+def test_test_times_keep_each_run_beside_the_others(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fresh_clone_test
+
+    monkeypatch.setattr(fresh_clone_test, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path)
+    junit = tmp_path / "run.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="one" time="12.34"/>'
+                     '<testcase classname="tests.test_a" name="two" time="1.0"/></testsuite></testsuites>')
+    fresh_clone_test.save_test_times("plain, avx2", "before", junit, "abc1234")
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="one" time="2.0"/>'
+                     '<testcase classname="tests.test_b" name="new" time="3.0"/></testsuite></testsuites>')
+    table = fresh_clone_test.save_test_times("plain, avx2", "after", junit, "def5678")
+    assert table.loc["tests/test_a.py::one"].tolist() == [12.34, 2.0]
+    assert table["before"].isna().tolist() == [False, False, True] and table["after"].isna().sum() == 1
+    assert report.load_table("bench_test_times", tmp_path)[0].columns.tolist() == ["test", "before", "after"]
+
+
 def test_dose_verdicts_say_what_their_tables_say():
     """Each dose-response verdict in the README against the row it comes from: the arms called lower than default BF16
     are exactly those whose paired interval is below zero, and a fit says "no threshold" exactly where none was found."""
