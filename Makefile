@@ -69,11 +69,12 @@ readme: setup
 
 # Extra pytest arguments for both test targets, e.g. make test PYTEST_ARGS="-k kl"
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist), each given whole files (a file's engines and shared results stay in one process).
+# Test processes (pytest-xdist), each given whole files (a file's engines and shared results stay in one process), the
+# files slowest in tables/bench_test_times.csv first (tests/conftest.py), so no long one starts last.
 # Most tests are single-threaded engine starts and compiles, so two processes on two cores take ~40% less time
 # (benchmarks/fresh_clone_test.py). Each engine holds ~2-4 GB: raise it only with the memory for it. 1: one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # test-transformers (mostly pip building its small environments) runs alongside the suite; its output follows.
 # The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
 test: setup

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rla_lib import kl, mismatch, real_shape, sides, task
+from rla_lib import kl, mismatch, sides, task
 from rla_lib.align import REGIONS
 from rla_lib.engine import Engine, pack_tensor, unpack_tensor
 from rla_lib.exact_kl import exact_kl, kl_terms
@@ -18,10 +18,6 @@ from rla_lib.models import load_model, resolve_model
 from rla_lib.scoring import token_logprobs
 
 
-
-@pytest.fixture(scope="module")
-def full_vocab_model(tmp_path_factory):
-    return real_shape.make_narrow(tmp_path_factory.mktemp("exact-kl"))
 
 
 def test_tensors_cross_the_rpc_boundary_intact():
@@ -41,10 +37,10 @@ def test_kl_terms_match_the_numpy_estimator():
 
 @pytest.mark.engine
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(full_vocab_model, mode):
+def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(narrow_model, mode):
     prompts = [p.prompt for p in task.load_split()[:3]]
     # max_logprobs=-1 only to get vLLM's own full lists for the check (Python lists of 151,936 per position)
-    with Engine(full_vocab_model, mode=mode, max_logprobs=-1) as engine:
+    with Engine(narrow_model, mode=mode, max_logprobs=-1) as engine:
         samples = [s for g in engine.sample(prompts, n=2, max_tokens=6, seed=3) for s in g]
         sequences, starts = [s.ids for s in samples], [s.response_start for s in samples]
         direct = [engine.score([ids], top_k=-1)[0] for ids in sequences[:2]]  # every token's logprob, vLLM's lists
@@ -53,7 +49,7 @@ def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(full_vocab_
             assert torch.equal(engine.logprobs_from_hidden(h), torch.from_numpy(d.full))
             chunked = torch.cat([engine.logprobs_from_hidden(h[a : a + 2]) for a in range(0, len(h), 2)])
             assert torch.equal(chunked, torch.from_numpy(d.full))  # chunking changes no bit
-        model = load_model(full_vocab_model)
+        model = load_model(narrow_model)
         res = exact_kl(engine, model, sequences, starts, chunk_size=3)
     assert len(res.terms) == len(sequences)
     train = token_logprobs(model, sequences, full_vocab=True)  # the same batch as exact_kl's: the same bits
@@ -66,38 +62,38 @@ def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(full_vocab_
     assert res.mean() > 0  # BF16 engine vs BF16 Transformers: a real, positive gap
 
 
-def test_refuses_a_pair_it_cannot_compare(full_vocab_model):
-    engine = SimpleNamespace(spec=resolve_model(full_vocab_model))  # refused before the engine is used
+def test_refuses_a_pair_it_cannot_compare(narrow_model):
+    engine = SimpleNamespace(spec=resolve_model(narrow_model))  # refused before the engine is used
     with pytest.raises(ValueError, match="vocabulary of 151936 tokens, the training model 16"):
         exact_kl(engine, load_model("qwen3-tiny"), [[1, 2, 3]])
     with pytest.raises(ValueError, match="response start"):
-        exact_kl(engine, load_model(full_vocab_model), [[1, 2, 3]], starts=[2])
+        exact_kl(engine, load_model(narrow_model), [[1, 2, 3]], starts=[2])
 
 
 @pytest.mark.engine
-def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(full_vocab_model, tmp_path):
+def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, tmp_path):
     configs = {"none": ((), {}), "all three": (REGIONS, {})}
     kwargs = dict(modes=("eager",), training_configs=configs, n_prompts=3, n_samples=2, max_tokens=6, fp32_reference=False,
                   cache_dir=tmp_path)
-    run = mismatch.measure(full_vocab_model, **kwargs)
+    run = mismatch.measure(narrow_model, **kwargs)
     assert run.estimators == ("sampled", "k3", "exact") and not run.full  # no distribution kept, the terms are
     for name in configs:
         terms = run.exact[mismatch.exact_key(sides.engine("eager"), sides.training(name))]
         # a KL per position is >= 0; FP32 logprobs (each ~1e-6 off at |logp| ~ 20) allow about -1e-6, 10x margin
         assert len(terms) == run.lengths.sum() and (terms > -1e-5).all() and terms.mean() > 0
         assert np.isfinite(run.estimate(sides.engine("eager"), sides.training(name), "exact").value)
-    again = mismatch.measure(full_vocab_model, **kwargs)  # from the cache: the same terms
+    again = mismatch.measure(narrow_model, **kwargs)  # from the cache: the same terms
     assert again.exact.keys() == run.exact.keys()
     assert all(np.array_equal(again.exact[k], run.exact[k]) for k in run.exact)
 
 
-def test_too_big_and_too_long_are_refused_before_work(full_vocab_model, monkeypatch):
+def test_too_big_and_too_long_are_refused_before_work(narrow_model, monkeypatch):
     from rla_lib import grpo, models
     monkeypatch.setattr(models, "available_memory", lambda: 2**20)  # a machine with 1 MiB free
     with pytest.raises(MemoryError, match="loading .* needs about .* GiB .* and this machine has 0.0 GiB free"):
-        models.load_model(full_vocab_model)
+        models.load_model(narrow_model)
     with pytest.raises(MemoryError, match="GRPO on .* bytes\\) and this machine has 0.0 GiB free"):
-        grpo.run(grpo.GRPOConfig(model=str(full_vocab_model)), "/nonexistent/never-written")
-    engine = SimpleNamespace(max_model_len=8, spec=resolve_model(full_vocab_model), _to_ids=list)
+        grpo.run(grpo.GRPOConfig(model=str(narrow_model)), "/nonexistent/never-written")
+    engine = SimpleNamespace(max_model_len=8, spec=resolve_model(narrow_model), _to_ids=list)
     with pytest.raises(ValueError, match="does not fit this engine's context of 8 tokens: start it with a larger max_model_len"):
         Engine._fit(engine, [[1] * 8], 1)

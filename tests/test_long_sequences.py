@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rla_lib import attention, native, real_shape
+from rla_lib import attention, native
 from rla_lib.attention import _to_model_dtype, kv_tile, kv_tiles, prefill_q_tile
 from rla_lib.engine import Engine
 from rla_lib.engine_align import align_to_engine, kernel_numerics
@@ -69,11 +69,6 @@ def test_tiled_softmax_is_the_untiled_one_within_a_tile_and_the_true_one_across_
                            _to_model_dtype(untiled, torch.bfloat16, build)[:, :, tile:])
     jump = (scores[0, 0, length - 1, length // 2 :].max() - scores[0, 0, length - 1, :tile].max()).item()
     assert jump > 8, f"the test's keys must move the max by more than e^8 (moved {jump:.1f})"
-
-
-@pytest.fixture(scope="module")
-def narrow_model(tmp_path_factory):
-    return real_shape.make_narrow(tmp_path_factory.mktemp("long"))
 
 
 @pytest.mark.engine
