@@ -18,8 +18,6 @@ from rla_lib.models import load_model, resolve_model
 from rla_lib.scoring import token_logprobs
 
 
-
-
 def test_tensors_cross_the_rpc_boundary_intact():
     for t in (torch.randn(3, 5).to(torch.bfloat16), torch.randn(2, 7), torch.arange(6).view(2, 3)):
         back = unpack_tensor(pack_tensor(t))
