@@ -12,7 +12,8 @@ core for the whole run (`--load`: what a busy CI machine does to the suite's tim
 in each run (pytest's JUnit XML) goes to tables/bench_suite_repeats.csv, one column group per condition
 ("plain" or "loaded", at the machine's own level or "<level> (capped)" with `--env ISA=<level>`); every run's time
 goes to tables/bench_fresh_clone.csv as "<condition> #k", k counting on from the runs the table holds, and each test's
-seconds to tables/bench_test_times.csv (one column per run: where the suite's time goes, before and after a change). A test that failed once is a flaky test to fix at its root.
+seconds to tables/bench_test_times.csv (one column per run: where the suite's time goes, before and after a change; the
+next `make test` runs the slowest files first from it). A test that failed once is a flaky test to fix at its root.
 
 --target run-all: `make run-all` in the clone, with compile caches as cold as on a fresh machine (TMPDIR, where
 inductor and the capped levels keep theirs, is a new empty folder; vLLM's own cache is in the clone). The clone's
@@ -71,9 +72,9 @@ def test_outcomes(junit_xml: Path) -> dict[str, str]:
 
 
 def save_test_times(condition: str, label: str, junit_xml: Path, commit: str) -> pd.DataFrame:
-    """Each test's seconds in one run (set-up, call and tear-down, as JUnit XML gives them) and each file's sum, in
-    tables/bench_test_times.csv: one column per run label, so a change's before and after sit side by side. The
-    suite runs files whole on two processes (--dist loadfile), so the slowest files set its time."""
+    """Each test's seconds in one run (set-up, call and tear-down, as JUnit XML gives them) into
+    tables/bench_test_times.csv, one column per run label, so a change's before and after sit side by side; each file's
+    sum printed. The suite runs files whole on two processes (--dist loadfile), so the slowest files set its time."""
     times = {test_name(c): float(c.get("time", 0)) for c in ET.parse(junit_xml).getroot().iter("testcase")}
     new = pd.Series(times, name=label).rename_axis("test").to_frame()
     path = TABLES_DIR / "bench_test_times.csv"
