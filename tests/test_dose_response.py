@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rla_lib.report import TABLES_DIR
 from rla_lib.studies import dose_response as dr
 from rla_lib.studies.arms import ENGINE_SCHEDULE
 
@@ -59,18 +60,18 @@ def test_threshold_finds_a_planted_breakpoint_and_its_ci_covers_it():
     # the doses bracket the breakpoint (3e-3 flat, 3e-2 fallen): the fit places it within a factor 1.5
     assert fit["found"] and fit["ci_low"] <= fit["threshold"] <= fit["ci_high"] and 1e-2 / 1.5 < fit["threshold"] < 1e-2 * 1.5
     assert fit["slope"] == pytest.approx(0.2, rel=0.25) and fit["share_without_fall"] == 0
-    assert "starts to fall at" in dr.threshold_sentence(fit, "Without TIS")
+    assert dr.threshold_verdict(fit) == "falls from the threshold on"
 
 
 def test_no_threshold_when_accuracy_does_not_fall_beyond_noise():
     fit = dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.0), n_boot=300)
     assert not fit["found"] and np.isnan(fit["threshold"]) and fit["fall_at_max"] <= fit["margin"]
-    assert "no threshold within the tested range" in dr.threshold_sentence(fit, "With TIS")
+    assert dr.threshold_verdict(fit) == "no fall beyond noise in the tested range"
     found = dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2), n_boot=300)
     assert "past the largest dose" in dr.tis_sentence(found, fit)
     mark = dict(label="BF16", value=1e-3, tokens=7)
-    assert "below the threshold's lower CI bound" in dr.position_sentence(mark, found)
-    assert "below the largest mismatch tested" in dr.position_sentence(mark, fit)
+    assert "below the threshold's lower CI bound" in dr.mark_position(mark, found)
+    assert "below the largest mismatch tested" in dr.mark_position(mark, fit)
 
 
 def test_t_quantiles_match_the_tables():
@@ -106,5 +107,21 @@ def test_the_margin_counts_seed_noise_and_a_fall_from_the_first_dose_says_so():
     assert dr.seed_sd(noisy, "acc_last") > 0.03  # the planted seed noise, larger than two binomial SEs at 512 problems
     early = dr.threshold(synthetic_runs(breakpoint=1e-4, fall_per_decade=0.2), n_boot=100)
     assert early["found"] and early["at_lowest_dose"]
-    assert "falls from the lowest dose tested on" in dr.threshold_sentence(early, "Pooled")
+    assert dr.threshold_verdict(early).startswith("falls from the lowest dose tested")
     assert not dr.threshold(synthetic_runs(breakpoint=1e-2, fall_per_decade=0.2), n_boot=100)["at_lowest_dose"]
+
+
+def test_verdict_tables_read_the_fits():
+    fits = pd.read_csv(TABLES_DIR / "06_dose_threshold.csv")
+    table = dr.verdict_table(fits, worst_after_peak=True)
+    assert len(table) == 7 and table["verdict"].str.len().gt(0).all()
+    by_key = dr.fits_by_key(fits)
+    pooled = by_key[("both", False, "acc_last")]
+    row = table.iloc[0]
+    assert (row["arms"], row["TIS"], row["runs"]) == ("both kinds pooled", "without", pooled["runs"])
+    assert row["verdict"] == dr.threshold_verdict(pooled)
+    assert (row["threshold (nats per response)"] == "—") == (not pooled["found"])
+    marks = [dict(label="tiny", value=pooled["max_tested"] / 10, tokens=40), dict(label="huge", value=pooled["max_tested"] * 10, tokens=9000)]
+    where = dr.mark_table(fits, marks)["against the pooled fit without TIS"].tolist()
+    assert where == [dr.mark_position(m, pooled) for m in marks]
+    assert dr.tis_verdict(fits) == dr.tis_sentence(pooled, by_key[("both", True, "acc_last")])

@@ -165,19 +165,26 @@ def test_claims_are_judged_from_the_scores():
     assert LC.saved_summary(summary).index.names == ["model", "location", "positions"]
 
 
-def test_verdict_lines_follow_the_numbers():
+def test_verdict_tables_follow_the_numbers():
     long_context = synthetic_table("weaker", "uniform [0, 4096)", {"rope.q_cos": 0.02, "rope.q_sum": 0.3})
     summary = LC.summarize_models(pd.concat([synthetic_table("weaker", "task", WEAKER), long_context]), K_FLOOR, CLUSTERED_MIN)
-    lines = LC.location_lines(summary, K_FLOOR)
-    assert lines[0] == "weaker, task positions:" and lines[2] == "  at the floor: q_proj"
-    assert any(line.startswith("  does NOT reproduce     attention") for line in lines)
+    verdicts = LC.location_verdicts(summary)
+    assert verdicts.loc[("weaker", "task", "q_proj"), "measured"] == "at the floor"
+    assert verdicts.loc[("weaker", "task", "attention"), "reproduces paper"] == "no"
+    assert verdicts.loc[("weaker", "task", "q_proj"), "why"] == LC.score_explanation(
+        summary.set_index(["model", "positions", "location"]).loc[("weaker", "task", "q_proj")])
     assert LC.tie_error_line(summary) is None  # no ties in these rows
     tied = summary.assign(tie_frac=0.1, mean_error=summary.mean_error_se * 4)
     assert " at 0 of " in LC.tie_error_line(tied) and "4.0x its spread" in LC.tie_error_line(tied)
-    rope = LC.rope_claim_lines(summary, (CLUSTERED_MIN, 0.472))
-    assert rope[-1].startswith("So, at uniform [0, 4096) positions, the paper's claim 'RoPE products are clustered' "
-                               "holds only weakly")
-    assert "are clustered (paper's range) (0.3)" in rope[-1]
+    rope = LC.rope_claims(summary)
+    at_long = rope.loc[("weaker", "q*cos and k*cos", "uniform [0, 4096)")]
+    assert at_long["score over rounding values"] == "0.02" and at_long["verdict"].startswith("the paper's claim holds only weakly")
+    assert rope.loc[("weaker", "RoPE sums (not in the paper)", "uniform [0, 4096)"), "verdict"] == "clustered (paper's range)"
+    # only measured (values, positions) appear: the sin products were measured at task positions only
+    assert ("weaker", "rotate_half*sin", "uniform [0, 4096)") not in rope.index
+    sentence = LC.rope_verdict(summary, (CLUSTERED_MIN, 0.472))
+    assert sentence.startswith("At uniform [0, 4096) positions, the paper's claim 'RoPE products are clustered' holds only weakly")
+    assert "are clustered (paper's range) (0.3)" in sentence
 
 
 def test_rope_table_has_a_column_per_positions():

@@ -86,16 +86,18 @@ def short_summary(runs: dict) -> pd.DataFrame:
     return pd.DataFrame({name: stability.summarize(fake_history(acc), eval_prompts=256) for name, acc in runs.items()}).T
 
 
-def test_short_run_report_verdicts_follow_the_numbers():
+def test_short_run_verdicts_follow_the_numbers():
     seen = short_summary({"default BF16": [0.5, 0.7, 0.5], "rope": [0.5, 0.7, 0.7], "all three": [0.5, 0.6, 0.62]})
-    lines = stability.short_run_report(seen, steps=2)
-    assert lines[0].strip().startswith("default BF16: degraded") and "held" in lines[1]
-    assert any(l.startswith("default BF16 vs rope: final accuracy -0.200") and l.endswith("lower") for l in lines)
-    assert lines[-1].endswith("is seen here.")
+    table = stability.short_run_table(seen)
+    assert table.loc["default BF16", "status"] == "degraded" and table.loc["rope", "status"].startswith("held")
+    assert table.loc["rope", "final minus default BF16's"] == pytest.approx(0.2)
+    assert table.loc["rope", "than default BF16"] == "higher" and table.loc["default BF16", "than default BF16"] == ""
+    assert stability.paper_effect(seen, steps=2).endswith("is seen here.")
     # the default run held: not seen; an aligned run that degraded is named
     not_seen = short_summary({"default BF16": [0.5, 0.6, 0.6], "rope": [0.5, 0.7, 0.5]})
-    last = stability.short_run_report(not_seen, steps=2)[-1]
+    last = stability.paper_effect(not_seen, steps=2)
     assert "not seen in this run (2 steps)" in last and "held" in last and "an aligned run did not hold" in last
+    assert stability.paper_effect(not_seen.drop(index="default BF16"), steps=2).startswith("The paper's effect cannot be judged")
 
 
 def test_difference_word_uses_noise_z():

@@ -469,8 +469,12 @@ def block_dose_response() -> str:
         f"final accuracy lower beyond seed noise for {', '.join(lower)}" if lower else
         "no arm's final accuracy is lower beyond seed noise") + f" (t intervals over {int(arms['seeds'].max())} seeds); "
         f"the smallest fall these seeds find 4 times in 5 is {arms[versus + 'detectable'].max():.3f}."]
-    lines += dose_response.verdict_lines(fits, marks.to_dict("records"), worst_after_peak=True)
+    lines.append(dose_response.tis_verdict(fits))
+    verdicts = dose_response.verdict_table(fits, worst_after_peak=True)
+    positions = dose_response.mark_table(fits, marks.to_dict("records"))
     return "\n\n".join([md_table(header, rows), "\n".join(f"- {line}" for line in lines),
+                          md_table(list(verdicts.columns), verdicts.values.tolist()),
+                          md_table(list(positions.columns), positions.values.tolist()),
                           source("06_dose_arms", meta) + " " + source("06_dose_threshold", fits_meta)])
 
 

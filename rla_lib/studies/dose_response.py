@@ -4,7 +4,7 @@
     arms = arm_table(runs)                      # one row per arm: mean and se over seeds
     versus_reference(runs)                      # each arm minus default BF16, paired by seed, with a t interval
     fit = threshold(runs[~runs.tis])            # where accuracy starts to fall, with a bootstrap CI
-    dose_verdict(runs, fits, references)        # the sentences, computed from the numbers
+    verdict_table(fits); mark_table(fits, marks)  # the verdicts, a row per fit and per reference mark
 
 The dose is applied on the rollout side only (`arms.dose_configurations`: coarser rollout weights, or logit
 noise in the engine's sampler); the trained policy stays BF16. The x axis (`DOSE`) is what the run *measured*, not
@@ -261,25 +261,6 @@ def _fmt(x: float) -> str:
 OUTCOMES = {"acc_last": "final accuracy", "acc_worst_after_peak": "the worst accuracy after the peak"}
 
 
-def threshold_sentence(fit: dict, label: str) -> str:
-    outcome = OUTCOMES.get(fit.get("y"), "accuracy")
-    if not fit.get("fitted", True):
-        return f"{label}: too few arms to fit a threshold ({fit['runs']} runs)."
-    if not fit["found"]:
-        return (f"{label}: no threshold within the tested range: the fitted fall of {outcome} at the largest dose "
-                f"({_fmt(fit['max_tested'])} nats per response) is {fit['fall_at_max']:.3f}, within the noise margin "
-                f"({fit['margin']:.3f}; {fit['runs']} runs pooled: a single arm may still fall, see its paired comparison).")
-    shaky = fit["share_without_fall"] > 0.025  # the CI's upper end is "no fall at all"
-    where = (f"falls from the lowest dose tested on ({_fmt(fit['threshold'])} nats per response: no breakpoint located "
-             f"inside the range; 95% CI {_fmt(fit['ci_low'])} to {_fmt(fit['ci_high'])})" if fit.get("at_lowest_dose") else
-             f"starts to fall at {_fmt(fit['threshold'])} nats per response (95% CI {_fmt(fit['ci_low'])} to "
-             f"{_fmt(fit['ci_high'])})")
-    return (f"{label}: {outcome} {where}, then loses {fit['slope']:.3f} per tenfold "
-            f"more mismatch ({fit['fall_at_max']:.3f} at the largest dose, beyond the noise margin {fit['margin']:.3f}; "
-            f"{fit['runs']} runs)" + (f"; not established: {fit['share_without_fall']:.0%} of seed resamples show no fall "
-                                      "beyond noise." if shaky else "."))
-
-
 def tis_sentence(without: dict, with_tis: dict) -> str:
     if not (without.get("fitted", True) and with_tis.get("fitted", True)):
         return "Whether TIS moves the threshold needs both fits (too few arms in one of them)."
@@ -296,18 +277,18 @@ def tis_sentence(without: dict, with_tis: dict) -> str:
     return "Neither with nor without TIS does final accuracy fall beyond noise in the tested range."
 
 
-def position_sentence(mark: dict, fit: dict) -> str:
+def mark_position(mark: dict, fit: dict) -> str:
+    """Where a reference mark's mismatch sits against a fit: below its threshold's CI, inside it, or against the
+    largest dose tested when no threshold was found."""
     edge = fit["threshold"] if fit["found"] else fit["max_tested"]
     if fit["found"] and np.isfinite(fit["ci_low"]):
         factor = fit["ci_low"] / mark["value"]
-        where = (f"{factor:.2g}x below the threshold's lower CI bound" if factor > 1
-                 else f"inside or above the threshold's CI (its lower bound is {_fmt(fit['ci_low'])})")
-    else:
-        factor = edge / mark["value"]
-        where = (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which the pooled fit's fall of "
-                 f"{OUTCOMES.get(fit.get('y'), 'accuracy')} was within the noise margin" if factor > 1
-                 else f"beyond the tested range (up to {_fmt(edge)})")
-    return f"{mark['label']}: {_fmt(mark['value'])} nats per response ({mark['tokens']:.0f} tokens), {where}."
+        return (f"{factor:.2g}x below the threshold's lower CI bound" if factor > 1
+                else f"inside or above the threshold's CI (its lower bound is {_fmt(fit['ci_low'])})")
+    factor = edge / mark["value"]
+    return (f"{factor:.2g}x below the largest mismatch tested ({_fmt(edge)}), at which the pooled fit's fall of "
+            f"{OUTCOMES.get(fit.get('y'), 'accuracy')} was within the noise margin" if factor > 1
+            else f"beyond the tested range (up to {_fmt(edge)})")
 
 
 def fits_by_key(fits: pd.DataFrame) -> dict:
@@ -315,15 +296,50 @@ def fits_by_key(fits: pd.DataFrame) -> dict:
     return {(r["kind"], bool(r["tis"]), r["outcome"]): r.to_dict() | dict(y=r["outcome"]) for _, r in fits.iterrows()}
 
 
-def verdict_lines(fits: pd.DataFrame, marks: list[dict], worst_after_peak: bool = False) -> list[str]:
-    """The study's verdict, computed: both kinds pooled without and with TIS, whether TIS moves the threshold, each
-    kind alone, (the worst-after-peak fit,) and where each reference mark sits against the pooled fit without TIS."""
+def threshold_verdict(fit: dict) -> str:
+    """A fit's verdict in a few words (its numbers are `verdict_table`'s other columns)."""
+    if not fit.get("fitted", True):
+        return "too few arms to fit"
+    if not fit["found"]:
+        return "no fall beyond noise in the tested range"
+    where = ("falls from the lowest dose tested (no breakpoint inside the range)" if fit.get("at_lowest_dose")
+             else "falls from the threshold on")
+    shaky = fit["share_without_fall"] > 0.025  # the CI's upper end is "no fall at all"
+    return where + (f"; not established ({fit['share_without_fall']:.0%} of seed resamples show no fall)" if shaky else "")
+
+
+def verdict_table(fits: pd.DataFrame, worst_after_peak: bool = False) -> pd.DataFrame:
+    """The study's verdict as a table, a row per fit: both kinds pooled without and with TIS, each kind alone,
+    (the worst-after-peak fit,) with the threshold and its CI, the fall at the largest dose against the noise
+    margin, and `threshold_verdict`."""
     fit = fits_by_key(fits)
-    both, tis_on = fit[("both", False, "acc_last")], fit[("both", True, "acc_last")]
-    lines = [threshold_sentence(both, "Both kinds pooled, without TIS"), threshold_sentence(tis_on, "Both kinds pooled, with TIS"),
-             tis_sentence(both, tis_on)]
-    lines += [threshold_sentence(fit[(kind, tis, "acc_last")], f"{KIND_LABELS[kind]} only, {'with' if tis else 'without'} TIS")
-              for kind in ("bits", "noise") for tis in (False, True)]
-    if worst_after_peak:
-        lines.append(threshold_sentence(fit[("both", False, "acc_worst_after_peak")], "Worst after peak, both kinds, without TIS"))
-    return lines + [position_sentence(m, both) for m in marks]
+    keys = [("both", False, "acc_last"), ("both", True, "acc_last")]
+    keys += [(kind, tis, "acc_last") for kind in ("bits", "noise") for tis in (False, True)]
+    keys += [("both", False, "acc_worst_after_peak")] if worst_after_peak else []
+    rows = []
+    for kind, tis, outcome in keys:
+        f = fit[(kind, tis, outcome)]
+        found = f.get("fitted", True) and f["found"]
+        rows.append({"arms": "both kinds pooled" if kind == "both" else f"{KIND_LABELS[kind]} only",
+                     "TIS": "with" if tis else "without", "outcome": OUTCOMES[outcome], "runs": int(f["runs"]),
+                     "threshold (nats per response)": _fmt(f["threshold"]) if found else "—",
+                     "95% CI": f"{_fmt(f['ci_low'])} to {_fmt(f['ci_high'])}" if found else "—",
+                     "fall per tenfold dose": f"{f['slope']:.3f}" if found else "—",
+                     "fall at the largest dose": f"{f['fall_at_max']:.3f}" if f.get("fitted", True) else "—",
+                     "noise margin": f"{f['margin']:.3f}" if f.get("fitted", True) else "—",
+                     "verdict": threshold_verdict(f)})
+    return pd.DataFrame(rows)
+
+
+def mark_table(fits: pd.DataFrame, marks: list[dict]) -> pd.DataFrame:
+    """Where each reference mark's mismatch sits against the pooled fit without TIS (`mark_position`)."""
+    both = fits_by_key(fits)[("both", False, "acc_last")]
+    return pd.DataFrame([{"mark": m["label"], "nats per response": _fmt(m["value"]), "tokens": f"{m['tokens']:.0f}",
+                          "against the pooled fit without TIS": mark_position(m, both)}
+                         for m in marks])
+
+
+def tis_verdict(fits: pd.DataFrame) -> str:
+    """Whether TIS moves the pooled threshold (`tis_sentence` over the two pooled fits)."""
+    fit = fits_by_key(fits)
+    return tis_sentence(fit[("both", False, "acc_last")], fit[("both", True, "acc_last")])

@@ -9,7 +9,8 @@ the values are those `prerounding` captures. This module turns them into tables 
   classified against the floor and the paper's range (`classify_score`) and checked against what the paper
   reports for that kind of location (`paper_verdict`).
 - `claim_results`: the paper's claims (`PAPER_CLAIMS`), each judged over its locations (`claim_outcome`);
-  `claims_table`, `location_lines` and `rope_claim_lines` put the same numbers into words.
+  `claims_table`, `location_verdicts` and `rope_claims` are the tables of verdicts; `rope_verdict` reads the
+  last one as a sentence.
 
 A location's median score is compared with the floor 1/sqrt(n) of its sample, not with the paper's
 absolute numbers for near-uniform locations: at the floor, the score is set by the sample count.
@@ -325,24 +326,12 @@ def score_explanation(r) -> str:
     return "; ".join(why) or "no spike at 0 or 0.5, values distinct"
 
 
-def location_lines(summary: pd.DataFrame, k_floor: float) -> list[str]:
-    """Per (model, positions): the locations above and at the floor, then each location's verdict against
-    the paper with its `score_explanation`."""
-    lines = []
-    for (name, label), s in summary.groupby(["model", "positions"], sort=False):
-        s = s.set_index("location")
-        lines.append(f"{name}, {label} positions:")
-        above = s[s.measured.isin(["clustered (paper's range)", "borderline", "above the floor"])]
-        at_floor = s[s.measured == "at the floor"]
-        lines.append(f"  clustered above {k_floor}x floor: "
-                     + (", ".join(f"{loc} {r['median']:.2g} ({r.x_floor:.0f}x)" for loc, r in above.iterrows()) or "none"))
-        lines.append("  at the floor: " + (", ".join(at_floor.index) or "none"))
-        for verdict, word in [("yes", "reproduces"), ("borderline", "borderline"), ("weaker", "weaker than the paper"),
-                              ("no", "does NOT reproduce"), ("—", "not in the paper")]:
-            for loc, r in s[s["reproduces paper"] == verdict].iterrows():
-                lines.append(f"  {word:22s} {loc:18s} paper {r.paper:12s} measured {r['median']:.2g} "
-                             f"({r.x_floor:.1f}x floor, {r.measured}); {score_explanation(r)}")
-    return lines
+def location_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, positions, location): the paper's class, the measured one (median over layers and its multiple
+    of the floor), the verdict against the paper and what explains the score (`score_explanation`)."""
+    view = summary.assign(why=summary.apply(score_explanation, axis=1))
+    view = view[["model", "positions", "location", "paper", "measured", "median", "x_floor", "reproduces paper", "why"]]
+    return view.set_index(["model", "positions", "location"])
 
 
 def tie_error_line(summary: pd.DataFrame) -> str | None:
@@ -359,38 +348,44 @@ def tie_error_line(summary: pd.DataFrame) -> str | None:
             f"{worst.positions}, {worst.location}).")
 
 
-def _rope_claim(summary: pd.DataFrame, name: str, locs: list[str], what: str) -> str:
-    parts = []
-    for label in summary.positions.unique():
-        s = summary[(summary.model == name) & (summary.positions == label) & summary.location.isin(locs)]
-        head = f"at {label} positions {_column_span(s.exact_frac, '{:.0%}')} of the values are exact"
-        rounding_part = f"over the values that round {_column_span(s['median'])} ({_column_span(s.x_floor, '{:.0f}')}x floor)"
-        if (s.paper != "not reported").all():
-            parts.append(f"{head}; earlier score {_column_span(s.score_all_values)}, {rounding_part}: "
-                         f"the paper's claim {claim_outcome(s['reproduces paper'])}")
-        else:
-            parts.append(f"{head}; {rounding_part}: {', '.join(sorted(set(s.measured)))}")
-    return f"  {what}: " + "; ".join(parts) + "."
+ROPE_CLAIM_VALUES = {"q*cos and k*cos": ["rope.q_cos", "rope.k_cos"], "rotate_half*sin": ["rope.q_sin", "rope.k_sin"],
+                     "RoPE sums (not in the paper)": ["rope.q_sum", "rope.k_sum"]}
 
 
-def rope_claim_lines(summary: pd.DataFrame, clustered_range: tuple[float, float]) -> list[str]:
-    """The paper's RoPE claim per model (products and sums, at every set of positions), then the verdict at
-    the last set of positions (the realistic ones when measured) against the paper's clustered range."""
-    lines = []
+def rope_claims(summary: pd.DataFrame) -> pd.DataFrame:
+    """The paper's RoPE claim per (model, values, positions): the share of exact values, the earlier score (exact
+    values counted), the score over the values that round and its multiple of the floor (spans over the two
+    locations' medians), and the verdict: the paper's claim's outcome (`claim_outcome`), or for the sums, which
+    the paper does not list, the measured class."""
+    rows = []
     for name in summary.model.unique():
-        lines.append(f"{name}:")
-        lines.append(_rope_claim(summary, name, ["rope.q_cos", "rope.k_cos"], "q*cos and k*cos"))
-        lines.append(_rope_claim(summary, name, ["rope.q_sin", "rope.k_sin"], "rotate_half*sin"))
-        lines.append(_rope_claim(summary, name, ["rope.q_sum", "rope.k_sum"], "the RoPE sums (not in the paper)"))
+        for values, locs in ROPE_CLAIM_VALUES.items():
+            for label in summary.positions.unique():
+                s = summary[(summary.model == name) & (summary.positions == label) & summary.location.isin(locs)]
+                if not len(s):
+                    continue
+                reported = (s.paper != "not reported").all()
+                rows.append({"model": name, "values": values, "positions": label,
+                             "exact share": _column_span(s.exact_frac, "{:.0%}"),
+                             "earlier score": _column_span(s.score_all_values),
+                             "score over rounding values": _column_span(s["median"]),
+                             "x floor": _column_span(s.x_floor, "{:.0f}"),
+                             "verdict": (f"the paper's claim {claim_outcome(s['reproduces paper'])}" if reported
+                                         else ", ".join(sorted(set(s.measured))))})
+    return pd.DataFrame(rows).set_index(["model", "values", "positions"])
+
+
+def rope_verdict(summary: pd.DataFrame, clustered_range: tuple[float, float]) -> str:
+    """`rope_claims` at the last set of positions (the realistic ones when measured), all models together, as a
+    sentence against the paper's clustered range."""
     final = summary.positions.unique()[-1]
     at_final = summary[summary.positions == final]
-    products = at_final[at_final.location.isin(["rope.q_cos", "rope.k_cos", "rope.q_sin", "rope.k_sin"])]
-    sums = at_final[at_final.location.isin(["rope.q_sum", "rope.k_sum"])]
-    lines.append(f"So, at {final} positions, the paper's claim 'RoPE products are clustered' "
-                 f"{claim_outcome(products['reproduces paper'])} on these models (scores {_column_span(products['median'])} "
-                 f"against the paper's {clustered_range[0]}–{clustered_range[1]}); the RoPE sums, which the paper does not "
-                 f"list, are {', '.join(sorted(set(sums.measured)))} ({_column_span(sums['median'])}).")
-    return lines
+    products = at_final[at_final.location.isin(ROPE_CLAIM_VALUES["q*cos and k*cos"] + ROPE_CLAIM_VALUES["rotate_half*sin"])]
+    sums = at_final[at_final.location.isin(ROPE_CLAIM_VALUES["RoPE sums (not in the paper)"])]
+    return (f"At {final} positions, the paper's claim 'RoPE products are clustered' "
+            f"{claim_outcome(products['reproduces paper'])} on these models (scores {_column_span(products['median'])} "
+            f"against the paper's {clustered_range[0]}–{clustered_range[1]}); the RoPE sums, which the paper does not "
+            f"list, are {', '.join(sorted(set(sums.measured)))} ({_column_span(sums['median'])}).")
 
 
 def rope_table(summary: pd.DataFrame) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 
     summary = summarize(history)                   # one run in a row (accuracy first/peak/last, verdict, mismatch)
     seeds = compare_seeds(histories, by=("config",))   # runs that differ by seed: mean and se per setting
-    short_run_report(summaries)                    # the short runs' verdict lines notebook 06 prints
+    short_run_table(summary); paper_effect(...)    # the short runs' verdicts notebook 06 shows
     sweep_differences(seeds)                       # the settings search: each arm against default BF16, a verdict each
 
 A held-out accuracy is a binomial proportion; every "lower", "degraded" or "no different" below comes
@@ -180,31 +180,34 @@ def final_accuracy_difference(summary: pd.DataFrame, a: str, b: str) -> tuple[fl
     return float(acc_a - acc_b), float(np.hypot(binomial_se(acc_a, n), binomial_se(acc_b, n)))
 
 
-def short_run_report(summary: pd.DataFrame, steps: int) -> list[str]:
-    """Verdict lines for single-seed runs (rows of `summarize`, indexed by configuration name; a
-    `max |logprob diff|` column is used where present)."""
-    lines = []
+def short_run_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The single-seed runs' verdicts, a row per configuration (rows of `summarize`, indexed by name; a
+    `max |logprob diff|` column is used where present): its status, accuracy first -> peak -> last with the margin a
+    drop must pass, its mismatch, and its final accuracy against default BF16's with the evaluation noise."""
+    rows = []
     for name, row in summary.iterrows():
-        lines.append(f"{name:>20}: {status(row)}: accuracy {row['eval acc first']:.3f} -> peak {row['eval acc peak']:.3f} -> last "
-                     f"{row['eval acc last']:.3f} (drop counts beyond {row['noise margin']:.3f}, {int(row['eval problems'])} problems); "
-                     f"mismatch k3 {row['k3 mean (1e-4)']:.3g} x 1e-4 per token"
-                     + (f", max |logprob diff| {row['max |logprob diff|']:.2g}" if "max |logprob diff|" in row else ""))
-    if FP32 in summary.index and "max |logprob diff|" in summary:
-        r = summary.loc[FP32]
-        lines.append(f"\nThe FP32 control's mismatch is small, not zero: k3 {r['k3 mean (1e-4)']:.3g} x 1e-4 per token, "
-                     f"largest per-token logprob difference {r['max |logprob diff|']:.2g}.")
+        r = {"config": name, "status": status(row), "accuracy first": row["eval acc first"], "peak": row["eval acc peak"],
+             "last": row["eval acc last"], "noise margin": row["noise margin"], "eval problems": int(row["eval problems"]),
+             "k3 (1e-4 per token)": row["k3 mean (1e-4)"]}
+        if "max |logprob diff|" in summary:
+            r["max |logprob diff|"] = row["max |logprob diff|"]
+        diff, se = final_accuracy_difference(summary, name, DEFAULT) if DEFAULT in summary.index and name != DEFAULT else (np.nan, np.nan)
+        r |= {"final minus default BF16's": diff, "se": se,
+              "than default BF16": difference_word(diff, se) if np.isfinite(diff) else ""}
+        rows.append(r)
+    return pd.DataFrame(rows).set_index("config")
+
+
+def paper_effect(summary: pd.DataFrame, steps: int) -> str:
+    """Whether these runs show the paper's effect: default BF16 degrades while every aligned run holds."""
     if DEFAULT not in summary.index:
-        return lines + [f"\nThe paper's effect cannot be judged: no {DEFAULT} run."]
-    for other in [n for n in summary.index if n != DEFAULT]:
-        diff, se = final_accuracy_difference(summary, DEFAULT, other)
-        lines.append(f"{DEFAULT} vs {other}: final accuracy {diff:+.3f} ± {se:.3f} (evaluation noise) -> {difference_word(diff, se)}")
+        return f"The paper's effect cannot be judged: no {DEFAULT} run."
     default_degraded = bool(summary.loc[DEFAULT, "degraded"])
     aligned_hold = all(not (summary.loc[n, "degraded"] or summary.loc[n, "diverged"]) for n in ALIGNED if n in summary.index)
-    lines.append("\nThe paper's effect (default degrades, aligned holds) is " + (
+    return "The paper's effect (default degrades, aligned holds) is " + (
         "seen here." if default_degraded and aligned_hold else
         f"not seen in this run ({steps} steps): the {DEFAULT} run {status(summary.loc[DEFAULT])}"
-        + ("" if aligned_hold else ", and an aligned run did not hold") + "."))
-    return lines
+        + ("" if aligned_hold else ", and an aligned run did not hold") + ".")
 
 
 def sweep_differences(seeds: pd.DataFrame) -> pd.DataFrame:
