@@ -68,7 +68,11 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # wide-steps halves its gradient variance (32 prompts per step), and since its sampling entropy is only about 0.03
 # nats per token, t1.5-steps explores by sampling its rollouts at temperature 1.5 (evaluated at 1.0, as every run),
 # and group16-steps by drawing 16 responses per prompt; wide-1e-4-steps doubles wide-steps' step size, which at 16
-# prompts per step (learn-steps) learned nothing
+# prompts per step (learn-steps) learned nothing. Every one of these stopped at 0.46-0.49, near the model's greedy
+# accuracy (0.525): sharpening was all there was to learn. t2start-1e-4 starts instead from qwen3-tiny-steps-hot
+# (the same model at temperature 2: right about 8% of the time at temperature 1), with room to rise; its FP32 control
+# rose from 0.07 to 0.13-0.14 in 100 steps at lr 1e-4 while default BF16 stayed near 0.06; the exactly on-policy
+# BF16 arm and a second seed say whether that is the mismatch; t2start-1.5e-4 runs longer with a larger step
 STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
 LEARN = ["FP32 control", "default BF16"]
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
@@ -89,6 +93,8 @@ GRID = [  # (tag, settings, seeds, configs)
     ("t1.5-steps", dict(STEPS_TASK, lr=5e-5, steps=100, temperature=1.5), (0,), ["FP32 control"]),
     ("group16-steps", dict(STEPS_TASK, lr=5e-5, steps=100, group_size=16), (0,), ["FP32 control"]),
     ("wide-1e-4-steps", dict(STEPS_TASK, lr=1e-4, steps=100, prompts_per_step=32), (0,), ["FP32 control"]),
+    ("t2start-1e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=1e-4, steps=100), (0, 1), LEARN + [ENGINE_SCHEDULE]),
+    ("t2start-1.5e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=1.5e-4, steps=200), (0,), LEARN),
 ]
 
 

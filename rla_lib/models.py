@@ -23,7 +23,8 @@ from .paths import MODELS_DIR
 from .settings import setting
 
 EMBEDDED_MODELS = {"qwen3-tiny": MODELS_DIR / "qwen3-tiny", "qwen2-tiny": MODELS_DIR / "qwen2-tiny",
-                   "qwen3-tiny-steps": MODELS_DIR / "qwen3-tiny-steps"}  # the last: long answers (task "steps")
+                   "qwen3-tiny-steps": MODELS_DIR / "qwen3-tiny-steps",  # long answers (task "steps")
+                   "qwen3-tiny-steps-hot": MODELS_DIR / "qwen3-tiny-steps-hot"}  # the same at temperature 2 (pretrain.py)
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The two precisions this project compares, by every name they go by (torch dtypes included, via str()).
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}

@@ -10,6 +10,12 @@ response tokens): it starts from `qwen3-tiny` (same shape, context extended to 1
 no length-bound parameter) and is fine-tuned on the new format, which is much faster than training
 from scratch. `make models` trains all three; `--arch qwen3-steps` just this one.
 
+A fourth, `qwen3-tiny-steps-hot`, is not trained: it is `qwen3-tiny-steps` with its final RMSNorm weight
+halved. The weight multiplies the normed hidden state, so (tied embeddings) every logit is halved exactly, in
+BF16 as in FP32: sampling it at temperature 1 is sampling `qwen3-tiny-steps` at temperature 2. A high-entropy
+start (right on about 8% of long-answer problems at temperature 1, against about 50% greedy) gives GRPO room
+to learn, which the sharp `qwen3-tiny-steps` (about 0.03 nats per token) does not.
+
 Deterministic on a given machine: fixed seeds, fixed thread count, data drawn from a
 seeded generator. Run: python -m rla_lib.pretrain [--arch qwen3 qwen2 qwen3-steps] [--steps N]
 """
@@ -36,12 +42,14 @@ from .models import EMBEDDED_MODELS
 from .tokenizer import VOCAB, build_tokenizer
 
 EMBEDDED = {"qwen3": EMBEDDED_MODELS["qwen3-tiny"], "qwen2": EMBEDDED_MODELS["qwen2-tiny"],
-            "qwen3-steps": EMBEDDED_MODELS["qwen3-tiny-steps"]}  # by --arch
+            "qwen3-steps": EMBEDDED_MODELS["qwen3-tiny-steps"],
+            "qwen3-steps-hot": EMBEDDED_MODELS["qwen3-tiny-steps-hot"]}  # by --arch
 # Training stops at the first check where temperature-1 accuracy on a dev split reaches the target: right
 # often but not always, so RL has room to improve. Qwen2 (no Q/K norm) learns slower: a longer schedule.
 # The long-answer model needs every one of 5-9 additions right: a lower target, a fine-tune from qwen3-tiny.
 TRAINING = {"qwen3": dict(steps=2000, stop_at_accuracy=0.5), "qwen2": dict(steps=4000, stop_at_accuracy=0.5),
-            "qwen3-steps": dict(steps=1500, stop_at_accuracy=0.4, lr=1e-3, init="qwen3", task="steps")}
+            "qwen3-steps": dict(steps=1500, stop_at_accuracy=0.4, lr=1e-3, init="qwen3", task="steps"),
+            "qwen3-steps-hot": dict(steps=0, init="qwen3-steps", task="steps", logit_scale=0.5)}
 DEV_SPLIT_SEED = 4242
 MAX_POSITIONS = {"sums": 64, "steps": 160}  # longest prompt + response: 39 and 126 tokens
 MAX_NEW_TOKENS = {"sums": 24, "steps": 112}
@@ -106,9 +114,11 @@ def sampled_accuracy(model, tokenizer, problems, temperature=1.0, seed=0, batch_
 
 
 def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0, log_every: int = 100,
-          stop_at_accuracy: float | None = None, init: str | None = None, task_name: str = "sums"):
+          stop_at_accuracy: float | None = None, init: str | None = None, task_name: str = "sums",
+          logit_scale: float | None = None):
     """Train from scratch (or from the embedded model of `init`); with stop_at_accuracy, stop at the first check
-    (every `log_every` steps, from a third of the way on) where temperature-1 accuracy on a dev split reaches it."""
+    (every `log_every` steps, from a third of the way on) where temperature-1 accuracy on a dev split reaches it.
+    logit_scale multiplies the final norm weight at the end: every logit by that factor (a power of 2: exactly)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = build_tokenizer()
@@ -123,7 +133,7 @@ def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: i
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
     )
     dev_split = task.make_split(DEV_SPLIT_SEED, 128, task_config)
     history, t0 = [], time.time()
@@ -145,6 +155,9 @@ def train(arch: str, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: i
             print(f"[{arch}] {row}", flush=True)
             if row.get("dev_accuracy_t1", 0.0) >= (stop_at_accuracy or 2.0):
                 break
+    if logit_scale is not None:
+        with torch.no_grad():
+            model.model.norm.weight.mul_(logit_scale)
     return model, tokenizer, history
 
 
@@ -161,8 +174,8 @@ def save_model(model, tokenizer, out_dir: Path, metadata: dict) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", nargs="+", default=["qwen3", "qwen2", "qwen3-steps"], choices=sorted(EMBEDDED),
-                        help="qwen3-steps starts from the trained qwen3: with the default list it runs after the others")
+    parser.add_argument("--arch", nargs="+", default=list(EMBEDDED), choices=sorted(EMBEDDED),
+                        help="a model that starts from another (`init`) runs after it")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps, no early stop (default: {TRAINING})")
     parser.add_argument("--out", type=Path, default=None, help="output root (default: data/models, and the eval split)")
     parser.add_argument("--eval-size", type=int, default=task.EVAL_SPLIT_SIZE, help="held-out problems to report accuracy on")
@@ -180,7 +193,7 @@ def main(argv=None):
             task.save_split(eval_split, task.eval_split_path(task_name))
         eval_split = eval_split[: args.eval_size]
         model, tokenizer, history = train(arch.split("-")[0], **settings, task_name=task_name)
-        steps = history[-1]["step"]
+        steps = history[-1]["step"] if history else 0
         acc_t1 = sampled_accuracy(model, tokenizer, eval_split, temperature=1.0)
         acc_greedy = sampled_accuracy(model, tokenizer, eval_split, temperature=0.0)
         n_params = sum(p.numel() for p in model.parameters())
@@ -195,8 +208,11 @@ def main(argv=None):
 
 def _train_in_parallel(args) -> None:
     extra = (["--steps", str(args.steps)] if args.steps else []) + ["--eval-size", str(args.eval_size)] + (["--out", str(args.out)] if args.out else [])
-    first = [a for a in args.arch if not TRAINING[a].get("init")]  # the ones others start from train first
-    for group in (first, [a for a in args.arch if a not in first]):
+    groups, left = [], list(args.arch)
+    while left:  # the ones others start from train first
+        groups.append([a for a in left if TRAINING[a].get("init") not in left])
+        left = [a for a in left if a not in groups[-1]]
+    for group in groups:
         procs = {a: subprocess.Popen([sys.executable, "-m", "rla_lib.pretrain", "--arch", a, *extra]) for a in group}
         failed = [a for a, p in procs.items() if p.wait() != 0]
         if failed:

@@ -31,3 +31,18 @@ def test_long_answer_model_starts_from_qwen3_tiny_with_a_longer_context(tmp_path
     spec = resolve_model(str(tmp_path / "qwen3-tiny-steps"))
     assert spec.architecture == "Qwen3ForCausalLM" and spec.max_position_embeddings == 160
     assert json.loads((spec.path / "training.json").read_text())["task"]["format"] == "steps"
+
+
+def test_hot_model_is_the_long_answer_model_with_its_logits_halved(tmp_path):
+    # regenerated without training: the shipped one is what `make models` writes, bit for bit
+    pretrain.main(["--arch", "qwen3-steps-hot", "--eval-size", "4", "--out", str(tmp_path)])
+    made, shipped, base = (load_file(p / "model.safetensors") for p in
+                           (tmp_path / "qwen3-tiny-steps-hot", resolve_model("qwen3-tiny-steps-hot").path,
+                            resolve_model("qwen3-tiny-steps").path))
+    assert made.keys() == shipped.keys() == base.keys() and all(made[k].equal(shipped[k]) for k in made)
+    assert [k for k in made if not made[k].equal(base[k])] == ["model.norm.weight"]
+    assert made["model.norm.weight"].equal(base["model.norm.weight"] * 0.5)  # a power of 2: exact in BF16
+    meta = json.loads((resolve_model("qwen3-tiny-steps-hot").path / "training.json").read_text())
+    assert meta["schedule"]["logit_scale"] == 0.5 and meta["task_name"] == "steps"
+    # the point of it: far less often right at temperature 1 than greedy, where the sharp model is close to greedy
+    assert meta["eval_accuracy_t1_fp32"] < meta["eval_accuracy_greedy_fp32"] / 3

@@ -21,7 +21,9 @@ from rla_lib.align import REGIONS
 from rla_lib.kl import FEW_PROMPTS
 from rla_lib.mismatch import config_name
 from rla_lib.paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
+from rla_lib.models import EMBEDDED_MODELS
 from rla_lib.paths import MODELS_DIR, ROOT, atomic_write
+from rla_lib.pretrain import EMBEDDED
 from rla_lib.report import (TABLES_DIR, change_cell, change_vs_range, compare_interval, load_table, md_table, pct, pct_ci,
                             share_cell, source)
 from rla_lib.settings import TEST_VARIABLES, VARIABLES
@@ -34,7 +36,7 @@ PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md")  # th
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
 
 
-MODEL_ORDER = ["qwen3-tiny", "qwen2-tiny", "qwen3-tiny-steps"]
+MODEL_ORDER = list(EMBEDDED_MODELS)
 
 
 # ---- blocks ---------------------------------------------------------------------------------
@@ -44,10 +46,11 @@ def block_models() -> str:
         d = MODELS_DIR / name
         train, cfg = json.loads((d / "training.json").read_text()), json.loads((d / "config.json").read_text())
         size = sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6
-        minutes = train["history"][-1]["seconds"] / 60 if train.get("history") else float("nan")
+        scale = train["schedule"].get("logit_scale")
+        steps, minutes = ((f"none: `{EMBEDDED[train['schedule']['init']].name}`, logits x {scale:g}", "—") if not train["steps"]
+                          else (f"{train['steps']:,}", f"{train['history'][-1]['seconds'] / 60:.0f} min"))
         rows.append([f"`{name}`", f"`{cfg['architectures'][0]}`", train.get("task_name", "sums"),
-                     f"{train['parameters'] / 1e6:.2f}M", f"{size:.1f} MB",
-                     f"{train['steps']:,}", f"{minutes:.0f} min", f"{train['eval_accuracy_t1_fp32']:.1%}",
+                     f"{train['parameters'] / 1e6:.2f}M", f"{size:.1f} MB", steps, minutes, f"{train['eval_accuracy_t1_fp32']:.1%}",
                      f"{train['eval_accuracy_greedy_fp32']:.1%}"])
     return md_table(["model", "architecture", "task", "parameters", "size", "training steps", "training time", "accuracy at T=1",
                      "greedy"], rows) + "\n\n_From `data/models/*/training.json` and `config.json`, written by `make models`._"
