@@ -72,7 +72,8 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # accuracy (0.525): sharpening was all there was to learn. t2start-1e-4 starts instead from qwen3-tiny-steps-hot
 # (the same model at temperature 2: right about 8% of the time at temperature 1), with room to rise; its FP32 control
 # rose from 0.07 to 0.13-0.14 in 100 steps at lr 1e-4 while default BF16 stayed near 0.06; the exactly on-policy
-# BF16 arm and a second seed say whether that is the mismatch; t2start-1.5e-4 runs longer with a larger step
+# BF16 arm and a second seed say whether that is the mismatch (seed 1's BF16 arms are still to run); t2start-1.5e-4
+# runs longer with a larger step
 STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
 LEARN = ["FP32 control", "default BF16"]
 DOSE_STEPS = ["default BF16", "default BF16, 3-bit rollouts", "default BF16, 3-bit rollouts" + TIS, "FP32 control"]
