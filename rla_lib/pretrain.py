@@ -8,16 +8,16 @@ near-uniform outputs make mismatch numbers meaningless).
 A third, `qwen3-tiny-steps`, answers the long-answer task variant (`task.TASKS["steps"]`, 45-100
 response tokens): it starts from `qwen3-tiny` (same shape, context extended to 160 positions; RoPE has
 no length-bound parameter) and is fine-tuned on the new format, which is much faster than training
-from scratch. `make models` trains all three; `--arch qwen3-steps` just this one.
+from scratch. `--arch qwen3-steps` trains just this one.
 
 A fourth, `qwen3-tiny-steps-hot`, is not trained: it is `qwen3-tiny-steps` with its final RMSNorm weight
 halved. The weight multiplies the normed hidden state, so (tied embeddings) every logit is halved exactly, in
 BF16 as in FP32: sampling it at temperature 1 is sampling `qwen3-tiny-steps` at temperature 2. A high-entropy
-start (right on about 8% of long-answer problems at temperature 1, against about 50% greedy) gives GRPO room
-to learn, which the sharp `qwen3-tiny-steps` (about 0.03 nats per token) does not.
+start (right on about 7% of long-answer problems at temperature 1, against about 50% greedy) gives GRPO room
+to learn, which the sharp `qwen3-tiny-steps` (about 0.03 nats per token) does not. `make models` makes all four.
 
 Deterministic on a given machine: fixed seeds, fixed thread count, data drawn from a
-seeded generator. Run: python -m rla_lib.pretrain [--arch qwen3 qwen2 qwen3-steps] [--steps N]
+seeded generator. Run: python -m rla_lib.pretrain [--arch qwen3 qwen2 qwen3-steps qwen3-steps-hot] [--steps N]
 """
 
 from __future__ import annotations
