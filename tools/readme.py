@@ -369,6 +369,10 @@ def block_grpo_sweep() -> str:
     return "\n\n".join([head, md_table(header, rows), sweep, source("06_sweep", meta)])
 
 
+def _bitwise_steps(rows) -> str:
+    return f"{int(rows['bitwise_steps'].sum())} of {int(rows['steps'].sum())}"
+
+
 def block_collapse() -> str:
     rates, meta = load_table("06_collapse")
     design, _ = load_table("06_collapse_design")
@@ -404,7 +408,8 @@ def block_collapse() -> str:
         f"Collapses that followed a rise (the paper's pattern): {int(rates['rose_then_collapsed'].sum())} of "
         f"{int(rates['collapses'].sum())}.",
         ("Training steps exactly on-policy (every sampled token's training-side logprob equal to the engine's): " + "; ".join(
-            f"{config} {int(g['bitwise_steps'].sum())} of {int(g['steps'].sum())}"
+            f"{config} {_bitwise_steps(g)}" + ("" if g["bitwise_steps"].sum() in (0, g["steps"].sum()) else " (" + ", ".join(
+                f"{sweep} {_bitwise_steps(r)}" for sweep, r in g.groupby(level="sweep", sort=False)) + ")")
             for config, g in rates.groupby(level="config", sort=False) if config in arms) + "."
          if "bitwise_steps" in rates else ""),
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
