@@ -107,6 +107,10 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
     assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
         "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
     assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")
+    assert c.verdict(rates(**{"default BF16": (0, 3), "FP32 control": (1, 3)}), "s") == (
+        "default BF16 did not collapse (0 of 3 seeds); FP32 control 1/3")  # 0/3 vs 1/3: chance
+    assert c.verdict(rates(**{"default BF16": (0, 5), "FP32 control": (5, 5)}), "s") == (  # p = 1 / C(10, 5)
+        "not the mismatch: FP32 control 5/5 collapses more often than default BF16 0/5 (Fisher p = 0.004)")
     control_alone = pd.DataFrame({("s", "FP32 control"): {"seeds": 1, "collapses": 0}}).T  # a search of the control alone
     assert c.verdict(control_alone, "s").startswith("no default BF16 arm")
 

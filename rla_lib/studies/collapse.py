@@ -200,21 +200,28 @@ def _seeds(n) -> str:
 def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "FP32 control",
             alpha: float = 0.05) -> str:
     """One sweep's answer from its `collapse_rates` rows: "reproduces the paper" only where an aligned arm collapses
-    less often than `reference` beyond chance; "step size, not mismatch" where `control` (no mismatch) collapses and
-    is not told apart from `reference`; else what the seeds cannot tell."""
+    less often than `reference` beyond chance; "not the mismatch" where `control` (no mismatch) collapses more often
+    than `reference` beyond chance; "step size, not mismatch" where `control` collapses and is not told apart from
+    `reference`; else what the seeds cannot tell."""
     g = rates.loc[sweep]
     if reference not in g.index:
         return f"no {reference} arm ({', '.join(g.index)} only): nothing to compare"
-    ref = g.loc[reference]
+    ref, c = g.loc[reference], g.loc[control] if control in g.index else None
+    counts = f"default BF16 {int(ref['collapses'])}/{int(ref['seeds'])}"
+    control_counts = "" if c is None else f"{control} {int(c['collapses'])}/{int(c['seeds'])}"
+    # p of "default BF16 collapses less often than the control": the other side of the arms' test
+    p_more = np.nan if c is None else fisher_one_sided(int(c["collapses"]), int(c["seeds"]),
+                                                       int(ref["collapses"]), int(ref["seeds"]))
+    if p_more < alpha:
+        return f"not the mismatch: {control_counts} collapses more often than {counts} (Fisher p = {p_more:.2g})"
     if ref["collapses"] == 0:
-        return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})"
+        return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})" + (
+            f"; {control_counts}" if c is not None and c["collapses"] > 0 else "")
     p = g[f"p fewer than {reference}"]
     fewer = [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]
     if fewer:
         return f"reproduces the paper: {', '.join(fewer)} collapse less often than default BF16 (Fisher p < {alpha})"
-    counts = f"default BF16 {int(ref['collapses'])}/{int(ref['seeds'])}"
-    if control in g.index and g.loc[control, "collapses"] > 0 and p[control] >= alpha:
-        c = g.loc[control]
+    if c is not None and c["collapses"] > 0 and p[control] >= alpha:
         return f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
     return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
 
