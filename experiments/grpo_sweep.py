@@ -106,7 +106,8 @@ GRID = [  # (tag, settings, seeds, configs)
 def claimed(runs):
     """The runs of `[(cfg, out_dir), ...]` this process takes, lazily: a run is skipped while another live process
     holds its folder's lock (`claim.lock`, an flock, released when the next run is asked for or the process dies),
-    so any number of processes can share one list; a killed one's run is resumed by the next that reaches it."""
+    or once it has all its steps (another process finished it), so any number of processes can share one list; a
+    killed one's run is resumed by the next that reaches it."""
     for cfg, out in runs:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +116,8 @@ def claimed(runs):
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue
-            yield cfg, out
+            if finished(out, cfg.steps) is None:
+                yield cfg, out
 
 
 def planned_runs(only=None, seeds=None, configs=None):
@@ -166,14 +168,14 @@ def sidecar_from_git() -> None:
                   note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
 
 
-def finished(run_id: str, settings: dict) -> pd.DataFrame | None:
-    """A run's history from `results/grpo_sweep/` once it has all its steps (a run checkpoints its history on the way:
-    an unfinished one is still running, or was stopped, and is not collected)."""
-    path = OUT / run_id / "history.csv"
+def finished(folder: Path, steps: int) -> pd.DataFrame | None:
+    """A run's history from its folder once it has all its steps (a run checkpoints its history on the way: an
+    unfinished one is still running, or was stopped, and is not collected)."""
+    path = Path(folder) / "history.csv"
     if not path.exists():
         return None
     history = pd.read_csv(path)
-    return history if history["step"].max() >= settings["steps"] else None
+    return history if history["step"].max() >= steps else None
 
 
 def collect(runs) -> tuple[pd.DataFrame, list[str]]:
@@ -183,7 +185,7 @@ def collect(runs) -> tuple[pd.DataFrame, list[str]]:
     shipped = pd.read_csv(SHIPPED) if SHIPPED.exists() else pd.DataFrame(columns=["run"])
     frames, fresh = [], []
     for run_id, labels, settings in runs:
-        if (history := finished(run_id, settings)) is not None:
+        if (history := finished(OUT / run_id, settings["steps"])) is not None:
             frames.append(history.assign(run=run_id, **labels))
             fresh.append(run_id)
         elif run_id in set(shipped["run"]):
@@ -223,7 +225,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
 
     if failed:  # the finished runs are kept; start the sweep again to retry these (each resumes from its checkpoint)
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
-    if not args.collect_only and any(finished(run_id, settings) is None for run_id, _, settings in runs):
+    if not args.collect_only and any(finished(OUT / run_id, settings["steps"]) is None for run_id, _, settings in runs):
         print("other workers still hold runs of this list: the last one to finish collects")
         raise SystemExit(0)
     every = list(planned_runs())

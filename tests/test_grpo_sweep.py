@@ -4,6 +4,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,7 @@ def sweep():
 
 
 def test_workers_share_the_list_and_a_dead_workers_run_is_taken_over(sweep, tmp_path):
-    runs = [(f"cfg{i}", tmp_path / f"run{i}") for i in range(3)]
+    runs = [(SimpleNamespace(steps=2), tmp_path / f"run{i}") for i in range(3)]
     a, b = sweep.claimed(runs), sweep.claimed(runs)
     assert next(a)[1].name == "run0"          # worker A runs run0 ...
     assert next(b)[1].name == "run1"          # ... so worker B skips it
@@ -42,6 +43,9 @@ time.sleep(60)
         holder.wait()
     time.sleep(0.1)
     assert [out.name for _, out in sweep.claimed(runs[:1])] == ["run0"]  # its lock died with it
+    (tmp_path / "run0" / "history.csv").write_text("step,reward\n0,\n1,0.5\n2,0.6\n")
+    a.close()  # A lets go of run2
+    assert [out.name for _, out in sweep.claimed(runs)] == ["run1", "run2"]  # finished by another worker: not taken
 
 
 def test_the_study_grid_names_known_arms(sweep):
@@ -65,4 +69,4 @@ def test_only_finished_runs_are_collected(sweep, tmp_path, monkeypatch):
             ("running", dict(sweep="s", config="c", seed=1), dict(steps=2))]
     data, fresh = sweep.collect(runs)
     assert fresh == ["done"] and set(data["run"]) == {"done"}
-    assert sweep.finished("running", runs[1][2]) is None and sweep.finished("absent", dict(steps=2)) is None
+    assert sweep.finished(tmp_path / "running", 2) is None and sweep.finished(tmp_path / "absent", 2) is None
