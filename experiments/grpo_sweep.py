@@ -70,7 +70,7 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # and group16-steps by drawing 16 responses per prompt; wide-1e-4-steps doubles wide-steps' step size, which at 16
 # prompts per step (learn-steps) learned nothing. Every one of these stopped at 0.46-0.49, near the model's greedy
 # accuracy (0.525): sharpening was all there was to learn. t2start-1e-4 starts instead from qwen3-tiny-steps-hot
-# (the same model at temperature 2: right about 8% of the time at temperature 1), with room to rise; its FP32 control
+# (the same model at temperature 2: right about 7% of the time at temperature 1), with room to rise; its FP32 control
 # rose from 0.07 to 0.13-0.14 in 100 steps at lr 1e-4 (seed 0; seed 1's did not rise), default BF16 and the exactly
 # on-policy BF16 arm to about 0.11 (seed 1's BF16 arms are still to run): slow. t2start-1.5e-4 runs longer with a larger
 # step. Larger still, the FP32 control fell from 0.07 to 0.01 or below within 10 steps at lr 2e-4 and 3e-4 (seed 0,

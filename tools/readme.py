@@ -370,7 +370,12 @@ def block_grpo_sweep() -> str:
 
 
 def _bitwise_steps(rows) -> str:
-    return f"{int(rows['bitwise_steps'].sum())} of {int(rows['steps'].sum())}"
+    """Exactly on-policy steps, "k of n"; by sweep too where the arm was bitwise on some of its steps only."""
+    k, n = int(rows["bitwise_steps"].sum()), int(rows["steps"].sum())
+    if k in (0, n) or "sweep" not in rows.index.names:
+        return f"{k} of {n}"
+    return f"{k} of {n} (" + ", ".join(f"{sweep} {_bitwise_steps(r.droplevel('sweep'))}"
+                                     for sweep, r in rows.groupby(level="sweep", sort=False)) + ")"
 
 
 def block_collapse() -> str:
@@ -408,8 +413,7 @@ def block_collapse() -> str:
         f"Collapses that followed a rise (the paper's pattern): {int(rates['rose_then_collapsed'].sum())} of "
         f"{int(rates['collapses'].sum())}.",
         ("Training steps exactly on-policy (every sampled token's training-side logprob equal to the engine's): " + "; ".join(
-            f"{config} {_bitwise_steps(g)}" + ("" if g["bitwise_steps"].sum() in (0, g["steps"].sum()) else " (" + ", ".join(
-                f"{sweep} {_bitwise_steps(r)}" for sweep, r in g.groupby(level="sweep", sort=False)) + ")")
+            f"{config} {_bitwise_steps(g)}"
             for config, g in rates.groupby(level="config", sort=False) if config in arms) + "."
          if "bitwise_steps" in rates else ""),
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
