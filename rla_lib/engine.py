@@ -370,7 +370,9 @@ class Engine:
         k = -1 if (full_vocab or tempered) else top_k
         self._check_open()
         seqs = self._fit(sequences, 1)
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True)
+        # detokenize=False: vLLM would otherwise decode every listed token id (151,936 per position for the full lists)
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, flat_logprobs=True,
+                                           detokenize=False)
         outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
                                     use_tqdm=vllm_bar(progress, "vLLM scoring"))
         results = []
@@ -413,7 +415,8 @@ class Engine:
         `logprobs_from_hidden` turns any slice of them into the full next-token distribution."""
         self._check_open()
         seqs = self._fit(sequences, 1)
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True)
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True,
+                                           detokenize=False)
         self.llm.collective_rpc("keep_prompt_hidden", args=(True,))
         try:
             outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=s) for s in seqs], params,
