@@ -102,8 +102,10 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
         return t
 
     assert c.verdict(rates(**{"default BF16": (5, 5), "all three": (0, 5)}), "s").startswith("reproduces the paper")
-    assert c.verdict(rates(**{"default BF16": (3, 3), "all three": (3, 3), "FP32 control": (3, 3)}), "s").startswith(
-        "step size, not mismatch")
+    assert c.verdict(rates(**{"default BF16": (3, 3), "all three": (3, 3), "FP32 control": (3, 3)}), "s") == (
+        "step size, not mismatch: FP32 control collapses 3/3, default BF16 3/3; aligned, none fewer beyond chance: all three 3/3")
+    assert c.verdict(rates(**{"default BF16": (2, 5), "FP32 control": (4, 5)}), "s") == (
+        "step size, not mismatch: FP32 control collapses 4/5, default BF16 2/5")  # no aligned arm: nothing more to say
     assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
         "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
     assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")

@@ -222,7 +222,9 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     if fewer:
         return f"reproduces the paper: {', '.join(fewer)} collapse less often than default BF16 (Fisher p < {alpha})"
     if c is not None and c["collapses"] > 0 and p[control] >= alpha:
-        return f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
+        aligned = [f"{arm} {int(g.loc[arm, 'collapses'])}/{int(g.loc[arm, 'seeds'])}" for arm in ALIGNED_ARMS if arm in g.index]
+        return (f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
+                + (f"; aligned, none fewer beyond chance: {', '.join(aligned)}" if aligned else ""))
     return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
 
 
