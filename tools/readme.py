@@ -382,7 +382,7 @@ def block_collapse() -> str:
     rates, meta = load_table("06_collapse")
     design, _ = load_table("06_collapse_design")
     rates = rates.set_index(["sweep", "config"])
-    arms = [a for a in ("default BF16", "default BF16 + TIS", "rope", "all three", "engine schedule", "FP32 control")
+    arms = [a for a in ("default BF16", "default BF16 + TIS", *collapse.ALIGNED_ARMS, "FP32 control")
             if a in rates.index.get_level_values(1)]
     rows = []
     for sweep in dict.fromkeys(rates.index.get_level_values(0)):
