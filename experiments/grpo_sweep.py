@@ -76,7 +76,8 @@ NAMED = CONFIGURATIONS | arms.dose_configurations()
 # step. Larger still, the FP32 control fell from 0.07 to 0.01 or below within 10 steps at lr 2e-4 and 3e-4 (seed 0,
 # first started for 100 steps): the step size alone collapses it there. t2start-2e-4 asks, with 5 seeds and 30 steps,
 # whether default BF16 and the exactly on-policy arm collapse there as often as FP32 does; then the paper's arms (RoPE
-# only, all three regions) and default BF16 with TIS (cap 2, as TRL and verl default) on the same seeds
+# only, all three regions) and default BF16 with TIS (cap 2, as TRL and verl default) on the same seeds;
+# t2start-1.5e-4-30steps asks the same with every arm one step size below, on the same seeds and schedule
 STEPS_TASK = dict(model="qwen3-tiny-steps", task="steps", max_tokens=112, eval_every=10, eval_prompts=512)
 LEARN = ["FP32 control", "default BF16"]
 PAPER_ARMS = ["rope", "all three", "default BF16" + TIS]  # the paper's regions, and the usual off-policy correction
@@ -101,6 +102,8 @@ GRID = [  # (tag, settings, seeds, configs)
     ("t2start-1e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=1e-4, steps=100), (0, 1), LEARN + [ENGINE_SCHEDULE]),
     ("t2start-1.5e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=1.5e-4, steps=200), (0,), LEARN),
     ("t2start-2e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=2e-4, steps=30), (0, 1, 2, 3, 4),
+     LEARN + [ENGINE_SCHEDULE] + PAPER_ARMS),
+    ("t2start-1.5e-4-30steps", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=1.5e-4, steps=30), (0, 1, 2, 3, 4),
      LEARN + [ENGINE_SCHEDULE] + PAPER_ARMS),
     ("t2start-3e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=3e-4, steps=30), (0,), ["FP32 control"]),
 ]
