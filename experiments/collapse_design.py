@@ -1,6 +1,6 @@
 """The collapse study's design, fixed before its runs, and the collapse rates of the runs shipped so far.
 
-    .venv/bin/python experiments/collapse_design.py     # seconds: writes tables/06_collapse.csv, 06_collapse_design.csv
+    .venv/bin/python experiments/collapse_design.py     # seconds: writes tables/06_collapse*.csv
 
 From `data/grpo_sweep/histories.csv.gz` (the settings search and dose study behind notebook 06):
 - 06_collapse: per sweep and configuration, how many seeds collapsed (`rla_lib.studies.collapse.collapse`: from some
@@ -10,6 +10,9 @@ From `data/grpo_sweep/histories.csv.gz` (the settings search and dose study behi
   with exact 95% intervals),
   the seed-to-seed SD of final accuracy (pooled over settings none of whose seeds collapsed), the smallest fall in
   final accuracy 3 and 5 seeds can detect, and the seeds per arm for the comparisons the study makes.
+- 06_collapse_step_sizes: does collapse follow the step size? Sweeps whose settings differ only in the learning rate,
+  at neighbouring step sizes: per arm run at both, its collapses at each and Fisher's one-sided p-value of fewer at
+  the smaller step, and the arms pooled (`collapse.step_size_table`).
 - 06_collapse_warning: the warning sign (`collapse.mismatch_alarm`: the mismatch's median over 5 steps reaches 3x its
   first 5 steps'), for each mismatch logged (`collapse.FLOORS`: k1, k3 and exact KL per token, k3 and exact KL per
   response): of the collapsed runs, how many it warned and how many
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=20_000, help="simulated flat runs per schedule")
     args = parser.parse_args(argv)
     histories = pd.read_csv(HISTORIES)
-    problems = json.loads(HISTORIES.with_suffix("").with_suffix(".json").read_text())["common"]["eval_prompts"]
+    sidecar = json.loads(HISTORIES.with_suffix("").with_suffix(".json").read_text())
+    problems = sidecar["common"]["eval_prompts"]
     histories["eval_prompts"] = histories["eval_prompts"].fillna(problems)  # runs from before the column: the sidecar's
     rates = c.collapse_rates(histories)
     params = {"histories": str(HISTORIES.relative_to(DATA_DIR.parent)), "runs": args.runs, "alpha": ALPHA,
@@ -92,11 +96,14 @@ def main(argv=None) -> int:
     save_table(rates, "06_collapse", params)
     table = design(histories, rates, args.runs)
     save_table(table, "06_collapse_design", params)
+    step_sizes = c.step_size_table(rates, sidecar["grid"])
+    save_table(step_sizes.set_index(["smaller", "larger", "config"]), "06_collapse_step_sizes", params)
     warning = pd.concat({column: c.warning_summary(c.warning_signs(histories, column)) for column in c.FLOORS},
                         names=["mismatch"])
     save_table(warning, "06_collapse_warning", params | {"rise": c.RISE, "window": c.WINDOW, "floors": c.FLOORS})
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
-        print(rates.to_string(), table.to_string(), warning.to_string(), sep="\n\n")
+        print(rates.to_string(), table.to_string(), step_sizes.to_string(), c.step_size_verdict(step_sizes),
+              warning.to_string(), sep="\n\n")
     return 0
 
 

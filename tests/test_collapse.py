@@ -168,3 +168,26 @@ def test_warning_signs_count_warned_collapses_and_false_alarms():
     summary = c.warning_summary(signs.reset_index()).loc["all runs"]
     assert (summary["collapsed runs"], summary["warned"], summary["other runs"], summary["false alarms"]) == (2, 1, 2, 1)
     assert summary["median lead (steps)"] == 5
+
+
+def test_step_sizes_compare_sweeps_that_differ_only_in_the_learning_rate():
+    rows = {("small", "default BF16"): (0, 5), ("small", "FP32 control"): (0, 5),
+            ("large", "default BF16"): (4, 5), ("large", "FP32 control"): (5, 5), ("large", "rope"): (5, 5),
+            ("other task", "FP32 control"): (5, 5)}
+    rates = pd.DataFrame([{"sweep": s, "config": a, "collapses": k, "seeds": n} for (s, a), (k, n) in rows.items()])
+    rates = rates.set_index(["sweep", "config"])
+    task = dict(model="m", steps=30)
+    grid = [dict(tag="large", settings=task | dict(lr=2e-4)), dict(tag="small", settings=task | dict(lr=1e-4)),
+            dict(tag="other task", settings=dict(model="n", steps=30, lr=3e-4))]
+    t = c.step_size_table(rates, grid).set_index("config")
+    assert set(t.index) == {"default BF16", "FP32 control", "every arm"}  # rope ran at one step size only
+    assert (t["smaller"] == "small").all() and (t["larger"] == "large").all()  # ordered by lr, not by the grid
+    assert t.loc["FP32 control", "p fewer at the smaller step"] == pytest.approx(1 / math.comb(10, 5))
+    assert t.loc["every arm", ["collapses_smaller", "seeds_smaller", "collapses_larger", "seeds_larger"]].tolist() == [0, 10, 9, 10]
+    assert t.loc["every arm", "p fewer at the smaller step"] == pytest.approx(math.comb(10, 9) / math.comb(20, 9))  # 6.0e-05
+    assert c.step_size_verdict(t.reset_index()) == (
+        "small against large, the 2 arms run at both: 0/10 collapsed at lr 0.0001 against 9/10 at lr 0.0002, "
+        "fewer beyond chance (Fisher p = 6e-05)")
+    quiet = rates.assign(collapses=0)
+    assert c.step_size_verdict(c.step_size_table(quiet, grid)) == "1 more pair of step sizes without a collapse at either"
+    assert c.step_size_verdict(c.step_size_table(rates, grid[2:])) == "no sweeps that differ only in the step size"

@@ -381,6 +381,7 @@ def _bitwise_steps(rows) -> str:
 def block_collapse() -> str:
     rates, meta = load_table("06_collapse")
     design, _ = load_table("06_collapse_design")
+    step_sizes, step_sizes_meta = load_table("06_collapse_step_sizes")
     rates = rates.set_index(["sweep", "config"])
     arms = [a for a in ("default BF16", "default BF16 + TIS", *collapse.ALIGNED_ARMS, "FP32 control")
             if a in rates.index.get_level_values(1)]
@@ -417,6 +418,7 @@ def block_collapse() -> str:
             f"{config} {_bitwise_steps(g)}"
             for config, g in rates.groupby(level="config", sort=False) if config in arms) + "."
          if "bitwise_steps" in rates else ""),
+        f"Does collapse follow the step size? {collapse.step_size_verdict(step_sizes)}.",
         "Seeds per arm the study needs: " + "; ".join(f"{q.removeprefix('seeds per arm to ')} {int(v)}"
                                                      for q, v in d.items() if q.startswith("seeds per arm") and v == v) + ".",
     ]
@@ -425,7 +427,8 @@ def block_collapse() -> str:
     header = ["sweep", *[f"{a}: collapsed" for a in arms], "runs that rose first (peak after step 0)", "verdict"]
     return "\n\n".join([md_table(header, rows), learning_sentence(learned), *facts,
                         warning_sentence(warning, warning_meta["params"]), source("06_learning", learning_meta),
-                        source("06_collapse", meta), source("06_collapse_warning", warning_meta)])
+                        source("06_collapse", meta), source("06_collapse_step_sizes", step_sizes_meta),
+                        source("06_collapse_warning", warning_meta)])
 
 
 def learning_sentence(learned) -> str:

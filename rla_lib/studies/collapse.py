@@ -9,6 +9,7 @@
     mismatch_alarm(steps, mismatch)             # the step at which a run's mismatch starts rising (or None)
     learning(histories)                         # per run of one arm: did it learn beyond noise (nothing to collapse if not)
     warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
+    step_size_table(rates, grid)                # per arm: fewer collapses at the smaller of two step sizes?
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
 (`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
@@ -226,6 +227,56 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
         return (f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
                 + (f"; aligned, none fewer beyond chance: {', '.join(aligned)}" if aligned else ""))
     return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
+
+
+def step_size_table(rates, grid) -> "pd.DataFrame":
+    """Does collapse follow the step size? Sweeps whose settings (the sidecar's `grid`) differ only in the learning
+    rate are compared at neighbouring step sizes: per arm run at both, its collapses at each and Fisher's one-sided
+    p-value of fewer at the smaller step; then "every arm", pooled over those arms (arms of one sweep share seeds and
+    prompts, so this pools strata: a summary, each arm's row is the test)."""
+    import pandas as pd
+
+    settings = {g["tag"]: g["settings"] for g in grid}
+    swept = [tag for tag in dict.fromkeys(rates.index.get_level_values(0)) if tag in settings]
+    groups: dict[str, list[str]] = {}
+    for tag in swept:
+        rest = {k: v for k, v in settings[tag].items() if k != "lr"}
+        groups.setdefault(repr(sorted(rest.items())), []).append(tag)
+    rows = []
+    for tags in groups.values():
+        tags = sorted(tags, key=lambda tag: settings[tag]["lr"])
+        for small, large in zip(tags, tags[1:]):
+            arms = [arm for arm in rates.loc[small].index if arm in rates.loc[large].index]
+            pair = dict(smaller=small, larger=large, lr_smaller=settings[small]["lr"], lr_larger=settings[large]["lr"])
+            counts = [(arm, *(int(rates.loc[(tag, arm), col]) for tag in (small, large) for col in ("collapses", "seeds")))
+                      for arm in arms]
+            if len(arms) > 1:
+                counts.append(("every arm", *np.sum([c[1:] for c in counts], axis=0).tolist()))
+            rows += [pair | dict(config=arm, collapses_smaller=a, seeds_smaller=n_a, collapses_larger=b, seeds_larger=n_b,
+                                 **{"p fewer at the smaller step": fisher_one_sided(b, n_b, a, n_a)})
+                     for arm, a, n_a, b, n_b in counts]
+    return pd.DataFrame(rows, columns=["smaller", "larger", "lr_smaller", "lr_larger", "config", "collapses_smaller",
+                                       "seeds_smaller", "collapses_larger", "seeds_larger", "p fewer at the smaller step"])
+
+
+def step_size_verdict(table, alpha: float = 0.05) -> str:
+    """The answer of `step_size_table`'s pooled rows (or its one arm's, where only one was run at both), for the
+    pairs of step sizes where a run collapsed (where none did, the pair has nothing to tell)."""
+    sentences, quiet = [], 0
+    for (small, large), g in table.groupby(["smaller", "larger"], sort=False):
+        r = g[g["config"] == "every arm"].iloc[0] if (g["config"] == "every arm").any() else g.iloc[0]
+        if r["collapses_smaller"] + r["collapses_larger"] == 0:
+            quiet += 1
+            continue
+        who = f"the {len(g) - 1} arms run at both" if r["config"] == "every arm" else r["config"]
+        p = r["p fewer at the smaller step"]
+        word = "fewer beyond chance" if p < alpha else "not fewer beyond chance"
+        sentences.append(f"{small} against {large}, {who}: {int(r['collapses_smaller'])}/{int(r['seeds_smaller'])} "
+                         f"collapsed at lr {r['lr_smaller']:g} against {int(r['collapses_larger'])}/{int(r['seeds_larger'])} "
+                         f"at lr {r['lr_larger']:g}, {word} (Fisher p = {p:.2g})")
+    if quiet:
+        sentences.append(f"{quiet} more pair{'s' if quiet > 1 else ''} of step sizes without a collapse at either")
+    return "; ".join(sentences) if sentences else "no sweeps that differ only in the step size"
 
 
 # ---- the warning sign: does the mismatch rise before accuracy falls? ------------------------------------------------
