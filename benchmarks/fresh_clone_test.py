@@ -88,6 +88,23 @@ def save_test_times(condition: str, label: str, junit_xml: Path, commit: str) ->
     return new
 
 
+def save_engine_starts(label: str, log: Path, times: pd.Series, commit: str) -> None:
+    """The run's engine starts (RLA_ENGINE_LOG: one line each) per test, beside the test's seconds, into
+    tables/bench_engine_starts.csv: how much of the suite is starting engines, and in which tests (the newest run)."""
+    starts = pd.read_json(log, lines=True) if log.exists() and log.stat().st_size else pd.DataFrame(
+        columns=["test", "phase", "model", "mode", "in_process", "seconds"])
+    kinds = starts.assign(kind=starts["mode"] + starts["in_process"].map({True: " in process", False: ""}))
+    table = kinds.groupby("test").agg(starts=("seconds", "size"), start_seconds=("seconds", "sum"),
+                                      engines=("kind", lambda k: ", ".join(f"{n} {kind}" for kind, n in k.value_counts().items())))
+    table["test_seconds"] = times.reindex(table.index)
+    table = table.sort_values("start_seconds", ascending=False).round(1)
+    save_table(table, "bench_engine_starts", dict(label=label), commit=commit)
+    total = times.sum()
+    print(f"{label}: {len(starts)} engine starts in {table.index.size} tests, {starts['seconds'].sum():.0f} s of "
+          f"{total:.0f} s of test time ({starts['seconds'].sum() / total:.0%}); slowest starts by test (s):",
+          table["start_seconds"].head(10).to_dict())
+
+
 @contextmanager
 def cpu_hog(load: bool):
     """A busy loop pinned to core 0 for the duration (nothing if not `load`)."""
@@ -148,13 +165,15 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
     runs, exit_codes = [], []
     first = earlier_runs(condition) + 1
     for k in range(first, first + repeat):
-        junit = clone / f".junit-{k}.xml"
+        junit, starts = clone / f".junit-{k}.xml", clone / f".engine-starts-{k}.jsonl"
         with cpu_hog(load):
-            test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone, env)
+            test_s, out, rc = timed(["make", "test", f"PYTEST_ARGS=--junitxml={junit}"], clone,
+                                    env | {"RLA_ENGINE_LOG": str(starts)})
         atomic_write(RESULTS_DIR / f"fresh_clone_{slug_condition(condition)}_{k}.log", lambda tmp: tmp.write_text(out))
         runs.append(test_outcomes(junit) if junit.exists() else {})
         if junit.exists():
-            save_test_times(condition, f"{condition} #{k} ({commit})", junit, commit)
+            times = save_test_times(condition, f"{condition} #{k} ({commit})", junit, commit)
+            save_engine_starts(f"{condition} #{k} ({commit})", starts, times[f"{condition} #{k} ({commit})"], commit)
         exit_codes.append(rc)
         failed = sorted(t for t, o in runs[-1].items() if o == "failed")
         print(f"{condition} #{k}: exit {rc}, {test_s / 60:.1f} min, {len(runs[-1])} tests, failed: {failed or 'none'}", flush=True)

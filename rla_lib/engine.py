@@ -30,11 +30,13 @@ A large model, CUDA, or a second engine while one runs here get vLLM's own proce
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, e
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
 from .scoring import log_softmax_at
+from .settings import setting
 
 MODES = ("compiled", "eager")
 
@@ -233,6 +236,17 @@ def default_context(spec: ModelSpec) -> int:
     return min(spec.max_position_embeddings, 4096)
 
 
+def log_start(engine: "Engine", seconds: float) -> None:
+    """One line per engine start appended to RLA_ENGINE_LOG, where set: which test (pytest's current one, inherited by
+    a notebook's kernel) started which engine, and how long the start took (benchmarks/fresh_clone_test.py)."""
+    if path := setting("RLA_ENGINE_LOG"):
+        test, _, phase = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")
+        line = dict(test=test, phase=phase.rstrip(")"), model=engine.spec.name, mode=engine.mode,
+                    in_process=engine._in_process, seconds=round(seconds, 2))
+        with open(path, "a") as log:  # one short write in append mode: lines of two test processes do not interleave
+            log.write(json.dumps(line) + "\n")
+
+
 class Engine:
     def __init__(
         self,
@@ -267,8 +281,10 @@ class Engine:
                              "first, or start this one with in_process=False")
         self._guest_env = environment_of(IN_PROCESS_ENV)
         self.llm = None
+        started = time.perf_counter()
         with engine_settings() as self._settings, as_a_guest() if self._in_process else multiprocess():
             self.llm = self._start_llm(vllm, seed, budget, llm_kwargs)  # its processes inherit the settings
+        log_start(self, time.perf_counter() - started)
         if self._in_process:
             _HERE.add(self)
         self.tokenizer = self.llm.get_tokenizer()

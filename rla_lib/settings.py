@@ -23,6 +23,8 @@ VARIABLES = {
                                 "rounded once) or auto (native where the CPU has BF16 instructions)"),
     "RLA_VLLM_IDLE_SPIN_S": ("0.05", "seconds vLLM's worker spins on its queue after a message before it sleeps "
                                      "(read by the engine's processes)"),
+    "RLA_ENGINE_LOG": (None, "a file every engine start appends a line to: the running test, model, mode and seconds "
+                             "(benchmarks/fresh_clone_test.py's inventory of engine starts)"),
     "RLA_ENGINE_INDUCTOR_CACHE": (None, "internal: the compile cache a graph capture seeds from (set for its "
                                         "process only)"),
 }

@@ -240,6 +240,33 @@ def test_test_times_keep_each_run_beside_the_others(tmp_path, monkeypatch):
     assert report.load_table("bench_test_times", tmp_path)[0].columns.tolist() == ["test", "before", "after"]
 
 
+def test_engine_starts_are_logged_per_test_and_summed_beside_its_time(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from rla_lib.engine import log_start
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fresh_clone_test
+
+    monkeypatch.setattr(fresh_clone_test, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path)
+    log = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("RLA_ENGINE_LOG", str(log))
+    engine = SimpleNamespace(spec=SimpleNamespace(name="qwen3-tiny"), mode="compiled", _in_process=False)
+    for test, seconds in [("tests/test_a.py::one (setup)", 40.0), ("tests/test_a.py::one (call)", 12.5),
+                          ("tests/test_b.py::two (call)", 3.0)]:
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
+        log_start(engine, seconds)
+    engine._in_process = True
+    log_start(engine, 1.25)
+    times = pd.Series({"tests/test_a.py::one": 60.0, "tests/test_b.py::two": 5.0, "tests/test_c.py::none": 35.0})
+    fresh_clone_test.save_engine_starts("run #1", log, times, "abc1234")
+    table = report.load_table("bench_engine_starts", tmp_path)[0].set_index("test")
+    assert table.loc["tests/test_a.py::one", ["starts", "start_seconds", "test_seconds"]].tolist() == [2, 52.5, 60.0]
+    assert table.loc["tests/test_b.py::two", "engines"] == "1 compiled, 1 compiled in process"
+    assert table.index.tolist() == ["tests/test_a.py::one", "tests/test_b.py::two"]  # slowest starts first
+
+
 def test_dose_verdicts_say_what_their_tables_say():
     """Each dose-response verdict in the README against the row it comes from: the arms called lower than default BF16
     are exactly those whose paired interval is below zero, and a fit says "no threshold" exactly where none was found."""
