@@ -187,7 +187,7 @@ def test_step_sizes_compare_sweeps_that_differ_only_in_the_learning_rate():
     assert t.loc["every arm", "p fewer at the smaller step"] == pytest.approx(math.comb(10, 9) / math.comb(20, 9))  # 6.0e-05
     assert c.step_size_verdict(t.reset_index()) == (
         "small against large, the 2 arms run at both: 0/10 collapsed at lr 0.0001 against 9/10 at lr 0.0002, "
-        "fewer beyond chance (Fisher p = 6e-05)")
+        "fewer beyond chance (Fisher p = 6e-05; FP32 control 0/5 against 5/5, p = 0.004)")
     quiet = rates.assign(collapses=0)
     assert c.step_size_verdict(c.step_size_table(quiet, grid)) == "1 more pair of step sizes without a collapse at either"
     assert c.step_size_verdict(c.step_size_table(rates, grid[2:])) == "no sweeps that differ only in the step size"

@@ -259,9 +259,10 @@ def step_size_table(rates, grid) -> "pd.DataFrame":
                                        "seeds_smaller", "collapses_larger", "seeds_larger", "p fewer at the smaller step"])
 
 
-def step_size_verdict(table, alpha: float = 0.05) -> str:
+def step_size_verdict(table, alpha: float = 0.05, control_arm: str = "FP32 control") -> str:
     """The answer of `step_size_table`'s pooled rows (or its one arm's, where only one was run at both), for the
-    pairs of step sizes where a run collapsed (where none did, the pair has nothing to tell)."""
+    pairs of step sizes where a run collapsed (where none did, the pair has nothing to tell); `control_arm`'s own
+    counts beside the pooled ones (it has no BF16 mismatch: if it follows the step size, the step size suffices)."""
     sentences, quiet = [], 0
     for (small, large), g in table.groupby(["smaller", "larger"], sort=False):
         r = g[g["config"] == "every arm"].iloc[0] if (g["config"] == "every arm").any() else g.iloc[0]
@@ -271,9 +272,14 @@ def step_size_verdict(table, alpha: float = 0.05) -> str:
         who = f"the {len(g) - 1} arms run at both" if r["config"] == "every arm" else r["config"]
         p = r["p fewer at the smaller step"]
         word = "fewer beyond chance" if p < alpha else "not fewer beyond chance"
+        control = g[g["config"] == control_arm]
+        alone = "" if r["config"] == control_arm or control.empty else (
+            f"; {control_arm} {int(control['collapses_smaller'].iloc[0])}/{int(control['seeds_smaller'].iloc[0])} "
+            f"against {int(control['collapses_larger'].iloc[0])}/{int(control['seeds_larger'].iloc[0])}, "
+            f"p = {control['p fewer at the smaller step'].iloc[0]:.2g}")
         sentences.append(f"{small} against {large}, {who}: {int(r['collapses_smaller'])}/{int(r['seeds_smaller'])} "
                          f"collapsed at lr {r['lr_smaller']:g} against {int(r['collapses_larger'])}/{int(r['seeds_larger'])} "
-                         f"at lr {r['lr_larger']:g}, {word} (Fisher p = {p:.2g})")
+                         f"at lr {r['lr_larger']:g}, {word} (Fisher p = {p:.2g}{alone})")
     if quiet:
         sentences.append(f"{quiet} more pair{'s' if quiet > 1 else ''} of step sizes without a collapse at either")
     return "; ".join(sentences) if sentences else "no sweeps that differ only in the step size"
