@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -241,6 +242,7 @@ def log_start(engine: "Engine", seconds: float) -> None:
     a notebook's kernel) started which engine, and how long the start took (benchmarks/fresh_clone_test.py)."""
     if path := setting("RLA_ENGINE_LOG"):
         test, _, phase = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")
+        test = test or f"outside pytest: {Path(sys.argv[0]).name}"  # e.g. make test-install's check of the wheel
         line = dict(test=test, phase=phase.rstrip(")"), model=engine.spec.name, mode=engine.mode,
                     in_process=engine._in_process, seconds=round(seconds, 2))
         with open(path, "a") as log:  # one short write in append mode: lines of two test processes do not interleave

@@ -1,5 +1,6 @@
 """Every measured number in README.md and docs/ comes from a committed table (tools.readme renders it)."""
 
+import json
 import re
 
 import pandas as pd
@@ -259,12 +260,16 @@ def test_engine_starts_are_logged_per_test_and_summed_beside_its_time(tmp_path, 
         log_start(engine, seconds)
     engine._in_process = True
     log_start(engine, 1.25)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # e.g. make test-install's check, a script outside pytest
+    log_start(engine, 2.0)
+    assert json.loads(log.read_text().splitlines()[-1])["test"].startswith("outside pytest: ")
     times = pd.Series({"tests/test_a.py::one": 60.0, "tests/test_b.py::two": 5.0, "tests/test_c.py::none": 35.0})
     fresh_clone_test.save_engine_starts("run #1", log, times, "abc1234")
     table = report.load_table("bench_engine_starts", tmp_path)[0].set_index("test")
     assert table.loc["tests/test_a.py::one", ["starts", "start_seconds", "test_seconds"]].tolist() == [2, 52.5, 60.0]
     assert table.loc["tests/test_b.py::two", "engines"] == "1 compiled, 1 compiled in process"
-    assert table.index.tolist() == ["tests/test_a.py::one", "tests/test_b.py::two"]  # slowest starts first
+    assert table.index.tolist()[:2] == ["tests/test_a.py::one", "tests/test_b.py::two"]  # slowest starts first
+    assert table.index[2].startswith("outside pytest: ") and table["test_seconds"].isna().tolist() == [False, False, True]
 
 
 def test_dose_verdicts_say_what_their_tables_say():

@@ -23,7 +23,22 @@ def block_suite_time() -> str:
 
     parts = [f"{r['label']}: {times(r)}; {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped; commit "
              f"{r['commit']}{_on(r)})" for _, r in t.iterrows()]
-    return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + source("bench_fresh_clone", meta)
+    return "`make test` on a fresh clone: " + "; ".join(parts) + ".\n\n" + engine_starts() + source("bench_fresh_clone", meta)
+
+
+def engine_starts() -> str:
+    """How much of the newest timed run went on starting engines (`bench_engine_starts`, RLA_ENGINE_LOG), where recorded."""
+    try:
+        starts, meta = load_table("bench_engine_starts")
+        times, _ = load_table("bench_test_times")
+    except FileNotFoundError:
+        return ""
+    label = meta["params"]["label"]
+    total, spent = times[label].sum(), starts["start_seconds"].sum()
+    slowest = starts.iloc[0]
+    return (f"In {label}, {int(starts['starts'].sum())} engine starts took {spent:.0f} s of the {total:.0f} s the tests "
+            f"took together ({spent / total:.0%}); the slowest, {slowest['starts']} in `{slowest['test']}` "
+            f"({slowest['engines']}), {slowest['start_seconds']:.0f} s.\n\n" + source("bench_engine_starts", meta) + "\n\n")
 
 
 def _passed(runs):
