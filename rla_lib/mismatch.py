@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -390,25 +391,35 @@ def score_training_side(run: MismatchRun, model, side: str, full: bool, temperat
     run.add(side, [r[0] for r in res] if full else res, [r[1] for r in res] if full else None)
 
 
-def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts=None) -> MismatchRun:
-    """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own)."""
+def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts=None,
+                        exact_scorers=None) -> MismatchRun:
+    """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own); with
+    `exact_scorers` (a large vocabulary) also each mode's exact KL against those training sides, with the same
+    engine. An engine starts once per mode, and only where something of that mode is not cached."""
     t_kwargs = _temperature_kwargs(temperature)
     for mode in bar(modes, progress, desc="vLLM modes", leave=False):
         side, path = sides.engine(mode), None if folder is None else folder / f"vllm-{mode}.npz"
-        if run is not None and load_side(run, side, path):
-            continue
-        with Engine(model, mode=mode, seed=key["seed"]) as engine:
+        with ExitStack() as stack:
+            running = []  # this mode's engine, once started: its scores and its exact KL share it
+
+            def engine():
+                if not running:
+                    running.append(stack.enter_context(Engine(model, mode=mode, seed=key["seed"])))
+                return running[0]
+
             if run is None:  # the first mode samples
                 run = load_or_sample(folder, lambda: MismatchRun(
-                    *sample_responses(engine, key["n_prompts"], key["n_samples"], key["max_tokens"], temperature, key["seed"],
-                                      progress, prompts),
+                    *sample_responses(engine(), key["n_prompts"], key["n_samples"], key["max_tokens"], temperature,
+                                      key["seed"], progress, prompts),
                     meta=dict(key) | {"machine_info": machine()}))
+            if not load_side(run, side, path):
+                def score(run, side):
+                    scores = engine().score(run.sequences, full_vocab=full, progress=progress, **t_kwargs)
+                    run.add(side, [s.token_logprobs for s in scores], [s.full for s in scores] if full else None)
 
-            def score(run, side):
-                scores = engine.score(run.sequences, full_vocab=full, progress=progress, **t_kwargs)
-                run.add(side, [s.token_logprobs for s in scores], [s.full for s in scores] if full else None)
-
-            load_or_score_side(run, side, path, score)
+                load_or_score_side(run, side, path, score)
+            if exact_scorers:
+                _exact_at_large_vocab(run, model, mode, engine, exact_scorers, folder, temperature)
     return run
 
 
@@ -437,35 +448,30 @@ def _score_training_sides(run, model, scorers: dict, folder, full, temperature, 
         done[identity] = side
 
 
-def _exact_at_large_vocab(run, model, modes, scorers: dict, folder, temperature, progress=None) -> None:
-    """The exact KL of every (engine mode, training side) pair where whole distributions are too large to keep:
-    with the engine running, its hidden states once per mode, then each training side chunk by chunk."""
-    for mode in bar(modes, progress, desc="exact KL, vLLM modes", leave=False):
-        inference, engine, hidden, loaded = sides.engine(mode), None, None, {}
-        try:
-            for side, (dtype, regions, options) in scorers.items():
-                path = None if folder is None else folder / f"exact-{mode}-{side_file(folder, dtype, regions, options).name}"
+def _exact_at_large_vocab(run, model, mode, engine, scorers: dict, folder, temperature) -> None:
+    """The exact KL of engine `mode` against every training side where whole distributions are too large to keep:
+    the engine's hidden states once, then each training side chunk by chunk. `engine()`: that mode's engine (started
+    on first use, so only if some pair is not cached)."""
+    inference, hidden, loaded = sides.engine(mode), None, {}
+    for side, (dtype, regions, options) in scorers.items():
+        path = None if folder is None else folder / f"exact-{mode}-{side_file(folder, dtype, regions, options).name}"
 
-                def score():
-                    nonlocal engine, hidden
-                    if engine is None:
-                        engine = Engine(model, mode=mode, seed=run.meta.get("seed", 0))
-                        hidden = engine.prompt_hidden(run.sequences, progress)
-                    if dtype not in loaded:
-                        loaded[dtype] = load_model(model, dtype=dtype)
-                    handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
-                    try:
-                        res = exact_kl(engine, loaded[dtype], run.sequences, run.starts, temperature=temperature,
-                                       engine_hidden=hidden)
-                    finally:
-                        if handle is not None:
-                            handle.undo()
-                    return np.concatenate(res.terms)  # exact_kl starts each sequence at its response
+        def score():
+            nonlocal hidden
+            if hidden is None:
+                hidden = engine().prompt_hidden(run.sequences)
+            if dtype not in loaded:
+                loaded[dtype] = load_model(model, dtype=dtype)
+            handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
+            try:
+                res = exact_kl(engine(), loaded[dtype], run.sequences, run.starts, temperature=temperature,
+                               engine_hidden=hidden)
+            finally:
+                if handle is not None:
+                    handle.undo()
+            return np.concatenate(res.terms)  # exact_kl starts each sequence at its response
 
-                load_or_score_exact(run, inference, side, path, score)
-        finally:
-            if engine is not None:
-                engine.close()
+        load_or_score_exact(run, inference, side, path, score)
 
 
 def measure(
@@ -510,13 +516,13 @@ def measure(
     full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"
     run = MismatchRun.load(samples) if samples is not None and samples.exists() else None
-    run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts)
     scorers = {sides.training(name): ("bfloat16", tuple(regions), dict(options)) for name, (regions, options) in training_configs.items()}
     if fp32_reference:
         scorers[sides.FP32] = ("float32", (), {})
+    # at a large vocabulary each mode's engine also gives the exact KL against every side, before it closes
+    run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts,
+                              exact_scorers=None if full else scorers)
     _score_training_sides(run, spec, scorers, folder, full, temperature, progress)
-    if not full:
-        _exact_at_large_vocab(run, spec, modes, scorers, folder, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}
     return run

@@ -69,18 +69,22 @@ def test_refuses_a_pair_it_cannot_compare(narrow_model):
 
 
 @pytest.mark.engine
-def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, tmp_path):
+def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, tmp_path, monkeypatch):
     configs = {"none": ((), {}), "all three": (REGIONS, {})}
     kwargs = dict(modes=("eager",), training_configs=configs, n_prompts=3, n_samples=2, max_tokens=6, fp32_reference=False,
                   cache_dir=tmp_path)
+    started, start = [], mismatch.Engine
+    monkeypatch.setattr(mismatch, "Engine", lambda *args, **kw: started.append(kw["mode"]) or start(*args, **kw))
     run = mismatch.measure(narrow_model, **kwargs)
+    assert started == ["eager"]  # one engine for the mode: it samples, scores and gives the exact KL
     assert run.estimators == ("sampled", "k3", "exact") and not run.full  # no distribution kept, the terms are
     for name in configs:
         terms = run.exact[mismatch.exact_key(sides.engine("eager"), sides.training(name))]
         # a KL per position is >= 0; FP32 logprobs (each ~1e-6 off at |logp| ~ 20) allow about -1e-6, 10x margin
         assert len(terms) == run.lengths.sum() and (terms > -1e-5).all() and terms.mean() > 0
         assert np.isfinite(run.estimate(sides.engine("eager"), sides.training(name), "exact").value)
-    again = mismatch.measure(narrow_model, **kwargs)  # from the cache: the same terms
+    again = mismatch.measure(narrow_model, **kwargs)  # from the cache: the same terms, and no engine started
+    assert started == ["eager"]
     assert again.exact.keys() == run.exact.keys()
     assert all(np.array_equal(again.exact[k], run.exact[k]) for k in run.exact)
 
