@@ -419,7 +419,7 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
 
                 load_or_score_side(run, side, path, score)
             if exact_scorers:
-                _exact_at_large_vocab(run, model, mode, engine, exact_scorers, folder, temperature)
+                _exact_at_large_vocab(run, model, mode, engine, exact_scorers, folder, temperature, progress)
     return run
 
 
@@ -448,7 +448,7 @@ def _score_training_sides(run, model, scorers: dict, folder, full, temperature, 
         done[identity] = side
 
 
-def _exact_at_large_vocab(run, model, mode, engine, scorers: dict, folder, temperature) -> None:
+def _exact_at_large_vocab(run, model, mode, engine, scorers: dict, folder, temperature, progress=None) -> None:
     """The exact KL of engine `mode` against every training side where whole distributions are too large to keep:
     the engine's hidden states once, then each training side chunk by chunk. `engine()`: that mode's engine (started
     on first use, so only if some pair is not cached)."""
@@ -459,7 +459,7 @@ def _exact_at_large_vocab(run, model, mode, engine, scorers: dict, folder, tempe
         def score():
             nonlocal hidden
             if hidden is None:
-                hidden = engine().prompt_hidden(run.sequences)
+                hidden = engine().prompt_hidden(run.sequences, progress)
             if dtype not in loaded:
                 loaded[dtype] = load_model(model, dtype=dtype)
             handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
