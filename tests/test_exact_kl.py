@@ -4,6 +4,7 @@
 The model is the Qwen3-0.6B shape shrunk in depth and width but not in vocabulary (rla_lib.real_shape.NARROW), so the
 engine starts in seconds while every vocabulary-sized path runs at full size."""
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,12 +34,27 @@ def test_kl_terms_match_the_numpy_estimator():
     assert (kl_terms(p, p) == 0).all()
 
 
+@pytest.fixture(scope="module")
+def eager_engine(narrow_model):
+    """The narrow model's eager engine in vLLM's own processes, as a real checkpoint's runs, shared by this file's eager
+    tests (a start there is about a minute on an AVX2-only CPU). Each test gets it with an empty prefix cache, so no test
+    reads KV another computed. max_logprobs=-1 only to get vLLM's own full lists for the check below."""
+    with Engine(narrow_model, mode="eager", max_logprobs=-1, in_process=False) as engine:
+        yield engine
+
+
+def fresh(engine):
+    engine.llm.reset_prefix_cache()
+    return engine
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(narrow_model, mode):
+def test_full_vocab_logprobs_and_exact_kl_equal_vllm_prompt_logprobs(narrow_model, mode, request):
     prompts = [p.prompt for p in task.load_split()[:3]]
-    # max_logprobs=-1 only to get vLLM's own full lists for the check (Python lists of 151,936 per position)
-    with Engine(narrow_model, mode=mode, max_logprobs=-1) as engine:
+    # eager: the shared engine, across vLLM's process boundary; compiled: in this process (a spawn saved; the same bits)
+    with (nullcontext(fresh(request.getfixturevalue("eager_engine"))) if mode == "eager" else
+          Engine(narrow_model, mode=mode, max_logprobs=-1, in_process=True)) as engine:
         samples = [s for g in engine.sample(prompts, n=2, max_tokens=6, seed=3) for s in g]
         sequences, starts = [s.ids for s in samples], [s.response_start for s in samples]
         direct = [engine.score([ids], top_k=-1)[0] for ids in sequences[:2]]  # every token's logprob, vLLM's lists
@@ -69,12 +85,18 @@ def test_refuses_a_pair_it_cannot_compare(narrow_model):
 
 
 @pytest.mark.engine
-def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, tmp_path, monkeypatch):
+def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, eager_engine, tmp_path, monkeypatch):
     configs = {"none": ((), {}), "all three": (REGIONS, {})}
     kwargs = dict(modes=("eager",), training_configs=configs, n_prompts=3, n_samples=2, max_tokens=6, fp32_reference=False,
                   cache_dir=tmp_path)
-    started, start = [], mismatch.Engine
-    monkeypatch.setattr(mismatch, "Engine", lambda *args, **kw: started.append(kw["mode"]) or start(*args, **kw))
+    started = []  # each engine measure starts, given the file's running one (the same model, mode and seed)
+
+    def start(model, mode, seed):
+        assert (resolve_model(model).path, mode, seed) == (resolve_model(narrow_model).path, "eager", 0)
+        started.append(mode)
+        return nullcontext(fresh(eager_engine))
+
+    monkeypatch.setattr(mismatch, "Engine", start)
     run = mismatch.measure(narrow_model, **kwargs)
     assert started == ["eager"]  # one engine for the mode: it samples, scores and gives the exact KL
     assert run.estimators == ("sampled", "k3", "exact") and not run.full  # no distribution kept, the terms are
