@@ -113,6 +113,11 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
         "default BF16 did not collapse (0 of 3 seeds); FP32 control 1/3")  # 0/3 vs 1/3: chance
     assert c.verdict(rates(**{"default BF16": (0, 5), "FP32 control": (5, 5)}), "s") == (  # p = 1 / C(10, 5)
         "not the mismatch: FP32 control 5/5 collapses more often than default BF16 0/5 (Fisher p = 0.004)")
+    assert c.verdict(rates(**{"default BF16": (0, 5), "rope": (3, 5), "all three": (1, 5), "engine schedule": (0, 5)}),
+                     "s") == ("default BF16 did not collapse (0 of 5 seeds); aligned arms that did, not more often beyond "
+                              "chance: rope 3/5 (Fisher p = 0.083), all three 1/5 (Fisher p = 0.5)")  # 3/5 vs 0/5: 10/120
+    assert c.verdict(rates(**{"default BF16": (0, 5), "rope": (5, 5), "FP32 control": (0, 5)}), "s") == (
+        "the opposite of the paper: rope 5/5 (Fisher p = 0.004) collapses more often than default BF16 0/5")
     control_alone = pd.DataFrame({("s", "FP32 control"): {"seeds": 1, "collapses": 0}}).T  # a search of the control alone
     assert c.verdict(control_alone, "s").startswith("no default BF16 arm")
 

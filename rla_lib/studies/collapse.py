@@ -202,8 +202,8 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
             alpha: float = 0.05) -> str:
     """One sweep's answer from its `collapse_rates` rows: "reproduces the paper" only where an aligned arm collapses
     less often than `reference` beyond chance; "not the mismatch" where `control` (no mismatch) collapses more often
-    than `reference` beyond chance; "step size, not mismatch" where `control` collapses and is not told apart from
-    `reference`; else what the seeds cannot tell."""
+    than `reference` beyond chance; "the opposite of the paper" where an aligned arm does; "step size, not mismatch"
+    where `control` collapses and is not told apart from `reference`; else what the seeds cannot tell."""
     g = rates.loc[sweep]
     if reference not in g.index:
         return f"no {reference} arm ({', '.join(g.index)} only): nothing to compare"
@@ -215,9 +215,18 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
                                                        int(ref["collapses"]), int(ref["seeds"]))
     if p_more < alpha:
         return f"not the mismatch: {control_counts} collapses more often than {counts} (Fisher p = {p_more:.2g})"
+    # aligned arms that collapsed, with p of "more often than default BF16": the paper's claim the other way round
+    worse = {f"{arm} {int(g.loc[arm, 'collapses'])}/{int(g.loc[arm, 'seeds'])}": fisher_one_sided(
+        int(g.loc[arm, "collapses"]), int(g.loc[arm, "seeds"]), int(ref["collapses"]), int(ref["seeds"]))
+        for arm in ALIGNED_ARMS if arm in g.index and g.loc[arm, "collapses"] > ref["collapses"]}
+    if beyond := [f"{arm} (Fisher p = {p:.2g})" for arm, p in worse.items() if p < alpha]:
+        return (f"the opposite of the paper: {', '.join(beyond)} collapse{'s' if len(beyond) == 1 else ''} more often "
+                f"than {counts}")
     if ref["collapses"] == 0:
         return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})" + (
-            f"; {control_counts}" if c is not None and c["collapses"] > 0 else "")
+            f"; {control_counts}" if c is not None and c["collapses"] > 0 else "") + (
+            "; aligned arms that did, not more often beyond chance: "
+            + ", ".join(f"{arm} (Fisher p = {p:.2g})" for arm, p in worse.items()) if worse else "")
     p = g[f"p fewer than {reference}"]
     fewer = [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]
     if fewer:
