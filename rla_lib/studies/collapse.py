@@ -194,6 +194,11 @@ def collapse_rates(histories, by=("sweep", "config"), reference: str = "default 
 ALIGNED_ARMS = ("rope", "all three", "engine schedule")
 
 
+def _counts(g, arm: str) -> str:
+    """"<arm> <collapses>/<seeds>" from a sweep's `collapse_rates` rows."""
+    return f"{arm} {int(g.loc[arm, 'collapses'])}/{int(g.loc[arm, 'seeds'])}"
+
+
 def _seeds(n) -> str:
     return f"{int(n)} seed" + ("" if int(n) == 1 else "s")
 
@@ -208,17 +213,17 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     if reference not in g.index:
         return f"no {reference} arm ({', '.join(g.index)} only): nothing to compare"
     ref, c = g.loc[reference], g.loc[control] if control in g.index else None
-    counts = f"default BF16 {int(ref['collapses'])}/{int(ref['seeds'])}"
-    control_counts = "" if c is None else f"{control} {int(c['collapses'])}/{int(c['seeds'])}"
+    counts = _counts(g, reference)
+    control_counts = "" if c is None else _counts(g, control)
     # p of "default BF16 collapses less often than the control": the other side of the arms' test
     p_more = np.nan if c is None else fisher_one_sided(int(c["collapses"]), int(c["seeds"]),
                                                        int(ref["collapses"]), int(ref["seeds"]))
     if p_more < alpha:
         return f"not the mismatch: {control_counts} collapses more often than {counts} (Fisher p = {p_more:.2g})"
     # aligned arms that collapsed, with p of "more often than default BF16": the paper's claim the other way round
-    worse = {f"{arm} {int(g.loc[arm, 'collapses'])}/{int(g.loc[arm, 'seeds'])}": fisher_one_sided(
-        int(g.loc[arm, "collapses"]), int(g.loc[arm, "seeds"]), int(ref["collapses"]), int(ref["seeds"]))
-        for arm in ALIGNED_ARMS if arm in g.index and g.loc[arm, "collapses"] > ref["collapses"]}
+    worse = {_counts(g, arm): fisher_one_sided(int(g.loc[arm, "collapses"]), int(g.loc[arm, "seeds"]),
+                                               int(ref["collapses"]), int(ref["seeds"]))
+             for arm in ALIGNED_ARMS if arm in g.index and g.loc[arm, "collapses"] > ref["collapses"]}
     if beyond := [f"{arm} (Fisher p = {p:.2g})" for arm, p in worse.items() if p < alpha]:
         return (f"the opposite of the paper: {', '.join(beyond)} collapse{'s' if len(beyond) == 1 else ''} more often "
                 f"than {counts}")
@@ -232,7 +237,7 @@ def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "
     if fewer:
         return f"reproduces the paper: {', '.join(fewer)} collapse less often than default BF16 (Fisher p < {alpha})"
     if c is not None and c["collapses"] > 0 and p[control] >= alpha:
-        aligned = [f"{arm} {int(g.loc[arm, 'collapses'])}/{int(g.loc[arm, 'seeds'])}" for arm in ALIGNED_ARMS if arm in g.index]
+        aligned = [_counts(g, arm) for arm in ALIGNED_ARMS if arm in g.index]
         return (f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
                 + (f"; aligned, none fewer beyond chance: {', '.join(aligned)}" if aligned else ""))
     return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
