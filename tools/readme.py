@@ -201,6 +201,21 @@ def block_exactness() -> str:
     return "\n\n".join([table, setting, source("exactness", meta)])
 
 
+def block_exactness_summary() -> str:
+    """One line per CPU kind: at which levels the engine-aligned side was exact in every (model, mode) cell."""
+    t, meta = load_table("exactness")
+    aligned = t[t.side == "engine-aligned"]
+    lines = []
+    for cpu, g in aligned.groupby("cpu", sort=False):
+        exact = g["sampled_bitwise"].eq(1) & g["rescored_bitwise"].eq(1) & g["kl_all_zero"].astype(bool)
+        levels = [f"{level} (`{kernel}` kernels)" for (level, kernel), e in
+                  exact.groupby([g["level"], g["vllm_attention_kernel"]], sort=False) if e.all()]
+        missed = sorted(set(g.loc[~exact, "level"]))
+        lines.append(f"- {cpu}: exact in {exact.sum()} of {len(g)} (model, mode, level) cells; every cell at "
+                     + (", ".join(levels) or "no level") + (f"; not at {', '.join(missed)}" if missed else ""))
+    return "\n".join(lines + ["", source("exactness", meta)])
+
+
 MEASURE_MODELS = ("qwen3-tiny", "qwen2-tiny")  # `make measure-example`: rla measure on each, tables/measure-<model>/
 
 
@@ -546,6 +561,7 @@ BLOCKS = {
     "bitwise-tokens": measured_by("make run-all (notebook 02b)", block_bitwise_tokens),
     "op-check": measured_by("make run-all (notebook 02b)", block_op_check),
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
+    "exactness-summary": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness_summary),
     "measure": measured_by("make measure-example", block_measure),
     "settings": block_settings,
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
