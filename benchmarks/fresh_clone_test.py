@@ -227,6 +227,16 @@ def run_all(clone: Path, env: dict, setup_s: float, commit: str, table: str) -> 
         f"set-up {setup_s:.0f} s, make run-all {run_s:.0f} s in all")), commit=commit)
 
 
+def refuse_stale_readme(clone: Path, commit: str) -> None:
+    """A commit whose README blocks disagree with its own tables fails test_readme for that alone (a benchmark's
+    tables committed before `make readme`): say so before a run's half hour, not in its failure count."""
+    check = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-m", "tools.readme", "--check"], cwd=clone,
+                           capture_output=True, text=True)
+    if check.returncode:
+        raise SystemExit(f"{commit}: {check.stdout.strip() or check.stderr.strip()[-500:]}. Run `make readme`, commit, "
+                         "and start this again.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the make commands")
@@ -254,6 +264,8 @@ def main() -> None:
         setup_s, out, rc = timed(["make", "setup"], tmp, env)
         if rc:
             raise SystemExit(f"make setup failed:\n{out[-3000:]}")
+        if args.target == "test":
+            refuse_stale_readme(Path(tmp), commit)
         if args.target == "run-all":
             run_all(Path(tmp), env, setup_s, commit, args.table)
             return

@@ -206,8 +206,8 @@ def native_bf16() -> bool:
 def bf16_matmul_mode() -> str:
     """How the training side's BF16 linear layers multiply: "native" (torch's BF16 GEMM) or "fp32" (FP32
     products of the BF16 operands, rounded once; forward in the order of the engine's kernel where that is known,
-    `engine_linear_is_torchs`, `engine_linear_is_onednns`). `RLA_BF16_MATMUL` = auto (default: native where the CPU has BF16 instructions) |
-    native | fp32."""
+    `engine_linear_is_torchs`, `engine_linear_is_onednns`). `RLA_BF16_MATMUL` = auto (default: native where the CPU
+    has BF16 instructions) | native | fp32."""
     mode = setting("RLA_BF16_MATMUL") or "auto"
     if mode not in BF16_MATMUL_MODES:
         raise ValueError(f"RLA_BF16_MATMUL={mode!r}: choose one of {', '.join(BF16_MATMUL_MODES)}")

@@ -291,3 +291,18 @@ def test_dose_verdicts_say_what_their_tables_say():
     row = next(line for line in block.splitlines() if line.startswith("| both kinds pooled | without | final accuracy |"))
     assert ("no fall beyond noise in the tested range" in row) == (not both["found"])
     assert not re.search(r"(does|did) not fall", block)  # a pooled fit cannot speak for a single arm
+
+
+def test_a_fresh_clone_run_refuses_a_commit_whose_readme_is_stale(tmp_path, monkeypatch):
+    """Committing a benchmark's tables before `make readme` fails test_readme for that alone: the run says so first."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fresh_clone_test
+
+    fresh_clone_test.refuse_stale_readme(ROOT, "abc1234")  # this checkout's README matches its tables (the test above)
+    stale = tmp_path / "clone"  # a clone whose `tools.readme --check` reports a stale block, as the real one prints it
+    (stale / ".venv" / "bin").mkdir(parents=True)
+    python = stale / ".venv" / "bin" / "python"
+    python.write_text("#!/bin/sh\necho 'blocks out of date with tables/: results.md: isa-spread; run `make readme`'\nexit 1\n")
+    python.chmod(0o755)
+    with pytest.raises(SystemExit, match="abc1234: blocks out of date .*isa-spread.*Run `make readme`, commit"):
+        fresh_clone_test.refuse_stale_readme(stale, "abc1234")
