@@ -178,9 +178,14 @@ def block_bitwise_tokens() -> str:
     return "\n\n".join([table, source("02_bitwise_tokens", meta)])
 
 
+def is_exact(r) -> bool:
+    """An exactness row: every token, as sampled and as rescored, bitwise, and every KL term 0."""
+    return r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1 and bool(r["kl_all_zero"])
+
+
 def exactness_verdict(r) -> str:
-    """"exact" only where every token, as sampled and as rescored, is bitwise and every KL term is 0."""
-    if r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1 and r["kl_all_zero"]:
+    """"exact" only where `is_exact`."""
+    if is_exact(r):
         return (f"exact: all {r['tokens']:,} tokens of {r['prompts']} prompts, as sampled and rescored; KL 0 "
                 f"(prompt share >= {r['prompt_share_bound']:.1%}, exact 95% bound)")
     return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
@@ -207,7 +212,7 @@ def block_exactness_summary() -> str:
     aligned = t[t.side == "engine-aligned"]
     lines = []
     for cpu, g in aligned.groupby("cpu", sort=False):
-        exact = g["sampled_bitwise"].eq(1) & g["rescored_bitwise"].eq(1) & g["kl_all_zero"].astype(bool)
+        exact = g.apply(is_exact, axis=1)
         levels = [f"{level} (`{kernel}` kernels)" for (level, kernel), e in
                   exact.groupby([g["level"], g["vllm_attention_kernel"]], sort=False) if e.all()]
         missed = sorted(set(g.loc[~exact, "level"]))

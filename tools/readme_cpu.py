@@ -33,10 +33,9 @@ def block_isa_spread() -> str:
                         + ("what moves between levels is the engine's kernels, not the training side's matmul"
                            if same == len(control) else "the training side's matmul moves some of it"))
     if "engine-aligned" in t:
-        levels = t[~t["level"].str.endswith("+fp32 matmul")]
-        exact = levels[(levels["engine-aligned bitwise"] == 1) & (levels["engine-aligned"] == 0)]
-        verdicts.append(f"engine-aligned: every token bitwise the engine's (KL 0) in {len(exact)} of {len(levels)} (model, mode, "
-                        f"level) cells, at {', '.join(dict.fromkeys(exact['level'])) or 'no level'}")
+        exact = spread.engine_aligned_exact(t)
+        verdicts.append(f"engine-aligned: every token bitwise the engine's (KL 0) in {exact.sum()} of {len(exact)} (model, mode, "
+                        f"level) cells, at {', '.join(dict.fromkeys(t.loc[exact[exact].index, 'level'])) or 'no level'}")
     header = ["model vs vLLM mode", "ISA level", "torch kernels", "training BF16 matmul", "stock", "paper's regions",
               "read schedule", "schedule vs paper", "engine-aligned"]
     return "\n\n".join([md_table(header, rows), "; ".join(verdicts) + ".", source("07_isa_spread", meta)])

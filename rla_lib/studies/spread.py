@@ -28,7 +28,7 @@ import torch
 from .. import graphs, machine, mismatch, sides
 from ..align import REGIONS
 from ..engine import bf16_linear
-from ..engine_align import kernel_numerics, with_attention, with_rope_rounding
+from ..engine_align import attention_section, kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
 from ..settings import setting
@@ -52,8 +52,8 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
         sched = graphs.schedule(points[sides.engine(mode)])
         configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(sched)
         if attention:  # None off x86 CPUs: no kernel to reproduce
-            configs[f"engine_{mode}"] = graphs.schedule_to_align_kwargs(
-                with_attention(with_rope_rounding(sched, mode), attention, how="the kernel this level's engine loads"))
+            configs[f"engine_{mode}"] = graphs.schedule_to_align_kwargs(  # as align_to_engine completes it, unprobed
+                with_attention(with_rope_rounding(sched, mode), **attention_section({})))
     run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
                            max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)
     m = machine.machine()
@@ -84,6 +84,13 @@ def engine_aligned_exactness(run, mode: str, attention: str, n_boot: int, seed: 
     return {"engine attention": attention, "engine-aligned": kl["exact"], "engine-aligned ci_low": kl["exact ci_low"],
             "engine-aligned ci_high": kl["exact ci_high"], "engine-aligned bitwise": bitwise.value,
             "engine-aligned bitwise ci_low": bitwise.ci_low, "engine-aligned bitwise ci_high": bitwise.ci_high}
+
+
+def engine_aligned_exact(table: pd.DataFrame) -> pd.Series:
+    """Per row of a `measure` table that is an instruction-set level (not the matmul control, which multiplies otherwise
+    on purpose): whether the engine-aligned side scored every token bitwise the engine's, KL 0."""
+    levels = table[~table["level"].str.endswith("+fp32 matmul")]
+    return (levels["engine-aligned bitwise"] == 1) & (levels["engine-aligned"] == 0)
 
 
 def kernel_probe() -> dict:
