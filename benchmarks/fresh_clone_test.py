@@ -111,7 +111,10 @@ def cpu_hog(load: bool):
     if not load:
         yield
         return
-    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    # it stops by itself when this process dies (killed, so no `finally` runs): no busy core is left behind
+    # (this process's id given, not read by the hog: it may start only after this process is gone)
+    busy_while_parent_lives = f"import os\nwhile os.getppid() == {os.getpid()}:\n    sum(range(100_000))"
+    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", busy_while_parent_lives])
     try:
         yield
     finally:

@@ -175,21 +175,73 @@ def test_engine_processes_die_with_a_killed_parent(tmp_path):
 
 
 @pytest.mark.engine
-def test_close_hands_the_teardown_to_a_thread_that_stops_every_engine_process():
-    """A small model's close returns without waiting for vLLM's teardown; wait_for_closed_engines then leaves no
-    engine process running. A closed engine refuses work; wait=True waits in the call."""
-    from rla_lib.engine import _CLOSING, Engine, wait_for_closed_engines
+def test_engines_here_and_apart_give_the_same_bits_and_close_without_leftovers():
+    """A small model's engine runs here by default: the same tokens, logprobs and scores as in vLLM's own processes,
+    no engine process started, and the caller's random generators, torch threads and environment untouched. A
+    second engine meanwhile gets processes of its own; asking for a second one here is refused. The two engines in
+    vLLM's processes then show closing (one pair of starts for both claims: each start in new processes costs half a
+    minute): `close` hands the teardown to a thread and returns, a closed engine refuses work, wait=True waits in the
+    call, and after wait_for_closed_engines no engine process is left."""
+    import random
+
+    import vllm.envs
+
+    from rla_lib.engine import Engine, wait_for_closed_engines
 
     wait_for_closed_engines()  # engines other tests of this process closed
+    prompts = PROMPTS + [p.prompt for p in task.make_split(5, 7)]
+    env = dict(os.environ)  # vLLM's settings are set only while it reads them (engine_settings)
     before = set(descendants(os.getpid()))  # e.g. the session's compiled engine, which stays
-    engines = [Engine("qwen3-tiny", mode="eager", in_process=False) for _ in range(2)]
+    apart = Engine("qwen2-tiny", mode="eager", in_process=False)
+    assert not apart._in_process and [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]
+    results = {False: sample_and_score(apart, prompts)}
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    apart_processes = set(descendants(os.getpid()))
+    here = Engine("qwen2-tiny", mode="eager")  # the one beside it runs in vLLM's processes, so this one may run here
+    assert here._in_process and set(descendants(os.getpid())) == apart_processes, "an engine here starts no process"
+    results[True] = sample_and_score(here, prompts)
+    assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1])
+    assert torch.equal(torch.random.get_rng_state(), state[2])
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+    assert not vllm.envs._is_envs_cache_enabled()
+    second = Engine("qwen2-tiny", mode="eager")
+    assert not second._in_process
+    with pytest.raises(ValueError, match="another Engine runs in this process"):
+        Engine("qwen2-tiny", mode="eager", in_process=True)
+    here.close()
+    assert results[True][0] == results[False][0]
+    for here_values, apart_values in zip(results[True][1:], results[False][1:]):
+        assert np.array_equal(here_values, apart_values)  # bitwise: the same kernels on the same inputs
+
     children = [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]  # not multiprocessing's tracker
-    assert len(children) == 4, "each engine runs an engine core and a worker"
-    engines[0].close()
-    assert len(_CLOSING) == 1 and engines[0].llm is None
+    assert len(children) == 4, "each engine in vLLM's processes runs an engine core and a worker"
+    closes_without_leftovers(apart, second, children)
+    changed = {k for k in set(os.environ) | set(env) if env.get(k) != os.environ.get(k)}
+    # inductor's own (its default cache folder, ...) may stay: its in-memory caches follow them
+    assert sorted(k for k in changed if not k.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR"))) == []
+
+
+def sample_and_score(engine, prompts) -> tuple:
+    """An engine's sampled tokens, their logprobs and the full-vocabulary scores of the sequences."""
+    groups = engine.sample(prompts, n=4, max_tokens=16, seed=5)
+    scores = engine.score([s.ids for g in groups for s in g], full_vocab=True)
+    return ([s.response_ids for g in groups for s in g], np.concatenate([s.logprobs for g in groups for s in g]),
+            np.concatenate([s.full for s in scores]))
+
+
+def closes_without_leftovers(background, waited, children) -> None:
+    """`background.close()` returns at once (its teardown in a thread) and the engine refuses work;
+    `waited.close(wait=True)` adds no thread; wait_for_closed_engines then leaves none of `children` running."""
+    from rla_lib.engine import _CLOSING, wait_for_closed_engines
+
+    background.close()
+    assert len(_CLOSING) == 1 and background.llm is None
     with pytest.raises(RuntimeError, match="was closed: start a new Engine"):
-        engines[0].sample(PROMPTS[:1])
-    engines[1].close(wait=True)
+        background.sample(PROMPTS[:1])
+    waited.close(wait=True)
     assert len(_CLOSING) == 1  # the waited close added no thread
     wait_for_closed_engines()
     assert not _CLOSING
@@ -197,53 +249,6 @@ def test_close_hands_the_teardown_to_a_thread_that_stops_every_engine_process():
     while time.time() < deadline and any(alive(p) for p in children):
         time.sleep(0.2)
     assert not [p for p in children if alive(p)], "engine processes still running after wait_for_closed_engines"
-
-
-@pytest.mark.engine
-def test_an_engine_in_this_process_gives_the_same_bits_and_leaves_the_process_as_it_was():
-    """A small model's engine runs here by default: the same tokens, logprobs and scores as in vLLM's own processes,
-    no engine process started, and the caller's random generators, torch threads and environment untouched. A
-    second engine meanwhile gets processes of its own; asking for a second one here is refused."""
-    import random
-
-    import vllm.envs
-
-    from rla_lib.engine import Engine
-
-    prompts = PROMPTS + [p.prompt for p in task.make_split(5, 7)]
-    results, env = {}, dict(os.environ)  # vLLM's settings are set only while it reads them (engine_settings)
-    for in_process in (False, True):
-        random.seed(1), np.random.seed(2), torch.manual_seed(3)
-        state = random.getstate(), np.random.get_state()[1].copy(), torch.random.get_rng_state()
-        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        before = set(descendants(os.getpid()))
-        engine = Engine("qwen2-tiny", mode="eager", in_process=None if in_process else False)
-        assert engine._in_process == in_process
-        started = [p for p in descendants(os.getpid()) if p not in before and is_vllm(p)]
-        assert bool(started) != in_process, "an engine in this process starts no engine core or worker"
-        groups = engine.sample(prompts, n=4, max_tokens=16, seed=5)
-        seqs = [s.ids for g in groups for s in g]
-        scores = engine.score(seqs, full_vocab=True)
-        results[in_process] = ([s.response_ids for g in groups for s in g],
-                               np.concatenate([s.logprobs for g in groups for s in g]),
-                               np.concatenate([s.full for s in scores]))
-        if in_process:
-            assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1])
-            assert torch.equal(torch.random.get_rng_state(), state[2])
-            assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
-            assert not vllm.envs._is_envs_cache_enabled()
-            second = Engine("qwen2-tiny", mode="eager")
-            assert not second._in_process
-            second.close()
-            with pytest.raises(ValueError, match="another Engine runs in this process"):
-                Engine("qwen2-tiny", mode="eager", in_process=True)
-        engine.close()
-        changed = {k for k in set(os.environ) | set(env) if env.get(k) != os.environ.get(k)}
-        # inductor's own (its default cache folder, ...) may stay: its in-memory caches follow them
-        assert sorted(k for k in changed if not k.startswith(("TORCHINDUCTOR_", "_TORCHINDUCTOR"))) == [], in_process
-    assert results[True][0] == results[False][0]
-    for here, apart in zip(results[True][1:], results[False][1:]):
-        assert np.array_equal(here, apart)  # bitwise: the same kernels on the same inputs
 
 
 def descendants(pid: int) -> list[int]:

@@ -208,6 +208,31 @@ def test_dose_run_interrupted_mid_run_resumes_identically(compiled_engine, tmp_p
     np.testing.assert_allclose(h["seq_exact_kl"], h["exact_kl"] * 1e-4 * h["response_len"], rtol=1e-9)
 
 
+def test_run_many_closes_an_engine_once_no_later_run_needs_it(monkeypatch, tmp_path):
+    """Given a list, the BF16 engine closes before the FP32 one starts (which then runs in this process); a lazy
+    iterable, whose later runs are unknown, keeps every engine to the end."""
+    events = []
+
+    class Recorded:
+        def __init__(self, model, mode, dtype, seed):
+            self.dtype = dtype
+            events.append(("start", dtype))
+
+        def close(self):
+            events.append(("close", self.dtype))
+
+    monkeypatch.setattr(arms, "Engine", Recorded)
+    monkeypatch.setattr(arms, "run", lambda cfg, out, engine, progress: events.append(("run", engine.dtype)) or pd.DataFrame())
+    bf16, fp32 = grpo.GRPOConfig(**TINY), grpo.GRPOConfig(**TINY, precision="fp32")
+    runs = [(bf16, tmp_path / "a"), (bf16, tmp_path / "b"), (fp32, tmp_path / "c")]
+    b, f = bf16.engine_dtype, fp32.engine_dtype
+    assert len(list(arms.run_many(runs))) == 3
+    assert events == [("start", b), ("run", b), ("run", b), ("close", b), ("start", f), ("run", f), ("close", f)]
+    events.clear()
+    assert len(list(arms.run_many(iter(runs)))) == 3
+    assert events == [("start", b), ("run", b), ("run", b), ("start", f), ("run", f), ("close", b), ("close", f)]
+
+
 @pytest.mark.engine
 def test_run_many_keeps_going_past_a_failed_run(compiled_engine, tmp_path, monkeypatch):
     """One bad run of a sweep (here: a folder holding another run's settings) is reported and the next runs."""
@@ -221,7 +246,7 @@ def test_run_many_keeps_going_past_a_failed_run(compiled_engine, tmp_path, monke
         def close(self):
             pass
 
-    monkeypatch.setattr(grpo, "Engine", Shared)
+    monkeypatch.setattr(arms, "Engine", Shared)  # run_many's engines
     cfg = grpo.GRPOConfig(**(TINY | dict(steps=1, eval_every=1, checkpoint_every=1)))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"lr": 1.0}))

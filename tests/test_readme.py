@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -221,6 +222,42 @@ def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch)
     block = readme_speed.block_suite_repeats()
     assert "| loaded, avx2 | abc1234 def5678 | 3 | 4 | 1 | 1 | `t.py::a` (1 of 3), `t.py::b` (1 of 2) |" in block
     assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
+
+
+def test_the_load_of_a_killed_repeat_run_stops_with_it(tmp_path):
+    """`fresh_clone_test --load` killed outright (no `finally` runs) leaves no busy loop holding a core, also where
+    the machine is so busy that the loop starts only after the run is gone (as here: a second busy loop on its core)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "hogging.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nimport time\nimport fresh_clone_test\n"
+                      "with fresh_clone_test.cpu_hog(True):\n    print('loaded', flush=True)\n    time.sleep(600)\n")
+    busy = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "loaded"
+    hogs = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(hogs) == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60  # a hang guard: the loop ends as soon as the hog is gone
+    while time.time() < deadline and running(hogs[0]):
+        time.sleep(0.1)
+    alive = running(hogs[0])
+    for pid in [busy.pid] + hogs * alive:
+        os.kill(pid, signal.SIGKILL)
+    busy.wait()
+    assert not alive, "the busy loop outlived the run that started it"
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited already
+    except FileNotFoundError:
+        return False
 
 
 def test_test_times_keep_each_run_beside_the_others(tmp_path, monkeypatch):

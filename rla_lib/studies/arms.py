@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
+from collections.abc import Sequence
 
 from ..align import REGIONS
 from ..engine import Engine
@@ -72,26 +74,35 @@ def run_name(name: str, settings: dict) -> str:
 def run_many(runs, progress: bool | None = None, keep_going: bool = False):
     """Run `[(cfg, out_dir), ...]` in order, one engine per (model, mode, dtype) shared by the runs that need it.
 
-    Yields `(cfg, out_dir, history)` as each run finishes. Engines are closed at the end. keep_going=True: a run
-    that fails yields the exception in place of its history and the next run starts (its checkpoint is kept; the
-    failed engine is replaced), so one bad run does not stop a sweep.
+    Yields `(cfg, out_dir, history)` as each run finishes. Given a list, an engine is closed as soon as no later run
+    needs it, so the next precision's engine starts in this process (a second engine alongside needs processes of its
+    own, tens of seconds more to start); a lazy iterable (the settings search claims runs as it goes) keeps them to the
+    end. keep_going=True: a run that fails yields the exception in place of its history and the next run starts (its
+    checkpoint is kept; the failed engine is replaced), so one bad run does not stop a sweep.
     """
+    def key(cfg):
+        return cfg.model, cfg.engine_mode, cfg.engine_dtype
+
+    later = Counter(key(cfg) for cfg, _ in runs) if isinstance(runs, Sequence) else None
     engines = {}
     try:
         for cfg, out_dir in runs:
-            key = (cfg.model, cfg.engine_mode, cfg.engine_dtype)
             try:
-                if key not in engines:
-                    engines[key] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
+                if key(cfg) not in engines:
+                    engines[key(cfg)] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
                 release_memory()  # the previous run's weights and optimizer state
-                history = run(cfg, out_dir, engine=engines[key], progress=progress)
+                history = run(cfg, out_dir, engine=engines[key(cfg)], progress=progress)
             except Exception as error:
                 if not keep_going:
                     raise
-                engine = engines.pop(key, None)
+                engine = engines.pop(key(cfg), None)
                 if engine is not None:
                     engine.close()
                 history = error
+            if later is not None:
+                later[key(cfg)] -= 1
+                if not later[key(cfg)] and key(cfg) in engines:
+                    engines.pop(key(cfg)).close()
             yield cfg, out_dir, history
     finally:
         for engine in engines.values():
