@@ -215,13 +215,17 @@ def test_repeat_runs_name_every_test_that_failed_in_a_run(tmp_path, monkeypatch)
             {"t.py::a": "passed", "t.py::b": "passed", "t.py::c": "xfailed"}]
     fresh_clone_test.save_repeats("loaded, avx2", runs, "abc1234")
     fresh_clone_test.save_repeats("plain, avx2", runs[1:], "abc1234")
+    for label in ("loaded, avx2 #1", "loaded, avx2 #2", "plain, avx2 #1"):  # each run's time and CPU
+        fresh_clone_test.record_run(label, "abc1234", 60.0, 600.0, "3 passed in 600.00s", 0)
+    here = f"on {fresh_clone_test.cpu_model()} ({fresh_clone_test.cpu_generation()})"
     block = readme_speed.block_suite_repeats()
-    assert "| loaded, avx2 | abc1234 | 2 | 3 | 1 | 1 | `t.py::b` (1 of 2) |" in block
-    assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block
+    assert f"| loaded, avx2 | 2 {here} | abc1234 | 2 | 3 | 1 | 1 | `t.py::b` (1 of 2) |" in block
+    assert f"| plain, avx2 | 1 {here} | abc1234 | 1 | 3 | 2 | 1 | none |" in block
     fresh_clone_test.save_repeats("loaded, avx2", [{"t.py::a": "failed", "t.py::d": "passed"}], "def5678")  # later
-    block = readme_speed.block_suite_repeats()
-    assert "| loaded, avx2 | abc1234 def5678 | 3 | 4 | 1 | 1 | `t.py::a` (1 of 3), `t.py::b` (1 of 2) |" in block
-    assert "| plain, avx2 | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
+    block = readme_speed.block_suite_repeats()  # a run without its row in bench_fresh_clone is counted apart
+    assert (f"| loaded, avx2 | 2 {here}, 1 not recorded | abc1234 def5678 | 3 | 4 | 1 | 1 | `t.py::a` (1 of 3), "
+            "`t.py::b` (1 of 2) |") in block
+    assert f"| plain, avx2 | 1 {here} | abc1234 | 1 | 3 | 2 | 1 | none |" in block  # another condition's runs stay apart
 
 
 def test_the_load_of_a_killed_repeat_run_stops_with_it(tmp_path):

@@ -3,6 +3,8 @@ each target before and after, here and with this CPU capped to AVX2, and the ver
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from rla_lib.report import TABLES_DIR, load_table, md_table, pct, source, wall_seconds
@@ -292,9 +294,19 @@ def block_suite_repeats() -> str:
         flaky = ran[ran[f"{condition}: failed"] > 0]
         failures = ", ".join(f"`{r['test']}` ({int(r[f'{condition}: failed'])} of {int(r[f'{condition}: runs'])})"
                              for _, r in flaky.iterrows()) or "none"
-        rows.append([condition, commit, int(ran[f"{condition}: runs"].max()), len(ran),
+        runs = int(ran[f"{condition}: runs"].max())
+        rows.append([condition, run_cpus(condition, runs), commit, runs, len(ran),
                      int((ran[f"{condition}: passed"] == ran[f"{condition}: runs"]).sum()),
                      int((ran[f"{condition}: skipped or xfailed"] == ran[f"{condition}: runs"]).sum()), failures])
-    header = ["condition", "commits", "runs", "tests", "passed in every run", "skipped or an expected failure in every run",
-              "tests that failed in a run"]
+    header = ["condition", "CPUs of its runs", "commits", "runs", "tests", "passed in every run",
+              "skipped or an expected failure in every run", "tests that failed in a run"]
     return "\n\n".join([md_table(header, rows), source("bench_suite_repeats", meta)])
+
+
+def run_cpus(condition: str, runs: int) -> str:
+    """How many of the `runs` under `condition` ran on each CPU (each run's row in tables/bench_fresh_clone.csv, by
+    its label "<condition> #k"): a condition names a level and a load, and several CPU kinds may have run it."""
+    rows = load_table("bench_fresh_clone")[0]
+    cpus = rows[rows["label"].str.fullmatch(rf"{re.escape(condition)} #\d+")]["machine"].value_counts(sort=False)
+    unrecorded = [f"{runs - cpus.sum()} not recorded"] if runs > cpus.sum() else []
+    return ", ".join([f"{n} on {cpu}" for cpu, n in cpus.items()] + unrecorded)
