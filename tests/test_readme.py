@@ -2,7 +2,6 @@
 
 import json
 import re
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from rla_lib import report
 from tools import readme, readme_speed
 from rla_lib.paths import CHAPTERS, ROOT
+from test_engine import alive, descendants
 
 
 @pytest.mark.parametrize("page", readme.PAGES, ids=lambda p: p.name)
@@ -243,25 +243,18 @@ def test_the_load_of_a_killed_repeat_run_stops_with_it(tmp_path):
     busy = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout.readline().strip() == "loaded"
-    hogs = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    hogs = descendants(proc.pid)
     assert len(hogs) == 1
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 60  # a hang guard: the loop ends as soon as the hog is gone
-    while time.time() < deadline and running(hogs[0]):
+    while time.time() < deadline and alive(hogs[0]):
         time.sleep(0.1)
-    alive = running(hogs[0])
-    for pid in [busy.pid] + hogs * alive:
+    outlived = alive(hogs[0])
+    for pid in [busy.pid] + hogs * outlived:
         os.kill(pid, signal.SIGKILL)
     busy.wait()
-    assert not alive, "the busy loop outlived the run that started it"
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited already
-    except FileNotFoundError:
-        return False
+    assert not outlived, "the busy loop outlived the run that started it"
 
 
 def test_test_times_keep_each_run_beside_the_others(tmp_path, monkeypatch):

@@ -87,22 +87,23 @@ def run_many(runs, progress: bool | None = None, keep_going: bool = False):
     engines = {}
     try:
         for cfg, out_dir in runs:
+            k = key(cfg)
             try:
-                if key(cfg) not in engines:
-                    engines[key(cfg)] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
+                if k not in engines:
+                    engines[k] = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
                 release_memory()  # the previous run's weights and optimizer state
-                history = run(cfg, out_dir, engine=engines[key(cfg)], progress=progress)
+                history = run(cfg, out_dir, engine=engines[k], progress=progress)
             except Exception as error:
                 if not keep_going:
                     raise
-                engine = engines.pop(key(cfg), None)
+                engine = engines.pop(k, None)
                 if engine is not None:
                     engine.close()
                 history = error
             if later is not None:
-                later[key(cfg)] -= 1
-                if not later[key(cfg)] and key(cfg) in engines:
-                    engines.pop(key(cfg)).close()
+                later[k] -= 1
+                if not later[k] and k in engines:
+                    engines.pop(k).close()
             yield cfg, out_dir, history
     finally:
         for engine in engines.values():
