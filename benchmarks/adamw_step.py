@@ -1,5 +1,6 @@
-"""Time the GRPO update's optimizer step alone: torch's AdamW over a model's FP32 master weights, as `grpo.Policy` runs
-it (foreach: one call per op for all tensors) and as its for-loop over tensors. Checks the two give the same bits.
+"""Time the GRPO update's optimizer step alone: AdamW over a model's FP32 master weights as `grpo.Policy` runs it
+(`rla_lib.native.AdamW`: torch's for-loop arithmetic in three passes over memory), against torch's for-loop and
+foreach implementations. Checks all three give the same bits.
 
     .venv/bin/python benchmarks/adamw_step.py [--models qwen3-tiny qwen3-0.6b-shape] [--steps 5]
 
@@ -17,7 +18,7 @@ import pandas as pd
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rla_lib import real_shape
+from rla_lib import native, real_shape
 from rla_lib.machine import capped_name
 from rla_lib.models import resolve_model
 from rla_lib.report import save_table
@@ -29,10 +30,15 @@ def master_weights(model: str) -> list[torch.nn.Parameter]:
     return list(AutoModelForCausalLM.from_config(config, dtype=torch.float32).parameters())
 
 
-def timed_steps(params: list[torch.nn.Parameter], foreach: bool, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+IMPLEMENTATIONS = {"for_loop": lambda params, **o: torch.optim.AdamW(params, foreach=False, **o),
+                   "foreach": lambda params, **o: torch.optim.AdamW(params, foreach=True, **o),
+                   "native": native.AdamW}
+
+
+def timed_steps(params: list[torch.nn.Parameter], make, steps: int) -> tuple[list[float], list[torch.Tensor]]:
     """Seconds per AdamW step (grpo.Policy's settings) after a warm-up, and the parameters after the last step."""
     params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.0, betas=(0.9, 0.999), foreach=foreach)
+    opt = make(params, lr=3e-4, weight_decay=0.0, betas=(0.9, 0.999))
     generator = torch.Generator().manual_seed(1)
     times = []
     for step in range(steps + 1):
@@ -47,16 +53,19 @@ def timed_steps(params: list[torch.nn.Parameter], foreach: bool, steps: int) -> 
 
 def measure(model: str, steps: int) -> dict:
     params = master_weights(model)
-    loop, loop_params = timed_steps(params, foreach=False, steps=steps)
-    fast, fast_params = timed_steps(params, foreach=True, steps=steps)
-    same = all(torch.equal(a, b) for a, b in zip(loop_params, fast_params))
-    row = dict(model=model, parameters=sum(p.numel() for p in params), steps=steps, for_loop_s=statistics.median(loop),
-               foreach_s=statistics.median(fast), same_bits=same, threads=torch.get_num_threads())
-    row["speedup"] = row["for_loop_s"] / row["foreach_s"]
-    print(f"AdamW step, {model} ({row['parameters'] / 1e6:.0f} M parameters), median of {steps}: for-loop "
-          f"{row['for_loop_s']:.3f} s, foreach {row['foreach_s']:.3f} s ({row['speedup']:.2f}x); same bits: {same}")
-    if not same:
-        raise SystemExit("foreach and the for-loop differ: grpo.Policy's histories would not reproduce")
+    row = dict(model=model, parameters=sum(p.numel() for p in params), steps=steps, threads=torch.get_num_threads())
+    finals = {}
+    for name, make in IMPLEMENTATIONS.items():
+        times, finals[name] = timed_steps(params, make, steps)
+        row[f"{name}_s"] = statistics.median(times)
+    row["same_bits"] = all(torch.equal(a, b) for other in ("foreach", "native")
+                           for a, b in zip(finals["for_loop"], finals[other]))
+    row["speedup"] = row["for_loop_s"] / row["native_s"]
+    print(f"AdamW step, {model} ({row['parameters'] / 1e6:.0f} M parameters), median of {steps}: torch for-loop "
+          f"{row['for_loop_s']:.3f} s, foreach {row['foreach_s']:.3f} s, rla_lib.native {row['native_s']:.3f} s "
+          f"({row['speedup']:.2f}x the for-loop's speed); same bits: {row['same_bits']}")
+    if not row["same_bits"]:
+        raise SystemExit("the implementations differ: grpo.Policy's histories would not reproduce")
     return row
 
 

@@ -45,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
                              environment_of, guest_call, multiprocess, restore_environment)
@@ -136,6 +135,27 @@ def remove_orphaned_weights(base) -> None:
         pid = folder.name.split("-")[2]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(folder, ignore_errors=True)
+
+
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: str) -> None:
+    """`state` (contiguous CPU tensors) as a safetensors file, written straight from the tensors' memory. A file of
+    the same size (the last push's) is overwritten in place: its RAM-backed pages are reused, not freed and faulted
+    in again. Several times faster than safetensors' save_file, which copies to a buffer first."""
+    header, offset = {}, 0
+    for name, t in state.items():
+        size = t.numel() * t.element_size()
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + size])
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes
+    same_size = os.path.exists(path) and os.path.getsize(path) == 8 + len(encoded) + offset
+    with open(path, "r+b" if same_size else "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for t in state.values():
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def pack_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
@@ -475,7 +495,7 @@ class Engine:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             remove_orphaned_weights(base)
             self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
-        save_file(state, os.path.join(self._weights_dir, "model.safetensors"))
+        write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self._weights_dir, is_checkpoint_format=True))
         if self.spec.tie_word_embeddings:
             self.llm.collective_rpc("refresh_tied_lm_head")

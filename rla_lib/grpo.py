@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import task
+from . import native, task
 from .align import align
 from .engine import Engine
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
@@ -152,8 +152,8 @@ class Policy:
         self.compute.train()
         if cfg.regions:
             align(self.compute, cfg.regions, **cfg.align_options)
-        # (torch's for-loop over tensors: foreach gives the same bits but was slower here, benchmarks/adamw_step.py)
-        self.opt = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        # torch's for-loop AdamW's bits in fewer passes over memory (benchmarks/adamw_step.py)
+        self.opt = native.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
 
     def refresh_compute(self):
         if self.compute is not self.master:
@@ -161,10 +161,11 @@ class Policy:
                 torch._foreach_copy_(list(self.compute.parameters()), list(self.master.parameters()))
 
     def rollout_weights(self):
-        """What the engine gets: the FP32 master (the engine rounds it to its dtype), or coarser if asked."""
+        """What the engine gets: the BF16 compute copy (the master rounded as the engine would round it itself: one
+        rounding to nearest even), the FP32 master in an FP32 run, or coarser weights if asked."""
         bits = self.cfg.rollout_mantissa_bits
         if bits is None:
-            return self.master
+            return self.compute
         return {k: round_mantissa(v.detach(), bits) for k, v in self.master.state_dict().items()}
 
     def logprobs(self, ids, mask, grad: bool, full: bool = False):
@@ -181,13 +182,19 @@ class Policy:
         return (lp, entropy, logp.detach()) if full else (lp, entropy)
 
     def step(self, loss) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        if self.compute is not self.master:
+        if self.compute is self.master:
+            self.opt.zero_grad(set_to_none=True)
+        else:
             self.compute.zero_grad(set_to_none=True)
         loss.backward()
         if self.compute is not self.master:
             for c, m in zip(self.compute.parameters(), self.master.parameters()):
-                m.grad = c.grad.float() if c.grad is not None else None
+                if c.grad is None:
+                    m.grad = None
+                elif m.grad is None:
+                    m.grad = c.grad.float()
+                else:  # the last step's FP32 buffer, overwritten: no fresh memory to fault in at every step
+                    m.grad.copy_(c.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.max_grad_norm).item()
         self.opt.step()
         self.refresh_compute()

@@ -454,3 +454,29 @@ void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int
                 }
             }
 }
+
+/* One AdamW step over [begin, end) of contiguous FP32 tensors, element by element as torch's for-loop AdamW computes it
+ * (torch.optim.adam._single_tensor_adam, its CPU kernels' arithmetic), in two passes around torch's own sqrt (its
+ * vectorised sqrt is not the correctly rounded one: the caller runs that very op between the passes).
+ * Moments: lerp_ (torch's kernel fuses it: one fmaf), mul_ then addcmul_ (value·g, then a fused multiply-add).
+ * `decay` is 1 - lr·weight_decay (1: none, no multiply). */
+void adamw_moments(const float *g, float *m, float *v, int64_t begin, int64_t end, float lerp_weight, float beta2,
+                   float one_minus_beta2) {
+    const int small = fabsf(lerp_weight) < 0.5f;
+    const float coefficient = small ? lerp_weight : lerp_weight - 1.0f;
+    for (int64_t i = begin; i < end; i++) {
+        const float grad = g[i];
+        m[i] = fmaf(coefficient, grad - m[i], small ? m[i] : grad);
+        v[i] = fmaf(one_minus_beta2 * grad, grad, v[i] * beta2);
+    }
+}
+
+/* Then the parameters from the moments and root = sqrt(v): (root / bias correction) + eps, then addcdiv_
+ * ((value·m) / denominator, then added). */
+void adamw_parameters(float *p, const float *m, const float *root, int64_t begin, int64_t end, float decay,
+                      float bias_correction2_sqrt, float eps, float neg_step_size) {
+    for (int64_t i = begin; i < end; i++) {
+        const float param = decay == 1.0f ? p[i] : p[i] * decay;
+        p[i] = param + neg_step_size * m[i] / (root[i] / bias_correction2_sqrt + eps);
+    }
+}

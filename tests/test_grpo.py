@@ -8,6 +8,7 @@ import torch
 from rla_lib import grpo
 from rla_lib.studies import arms, stability
 from rla_lib.models import load_model
+from rla_lib.scoring import pad_batch
 
 
 def test_group_advantages_hand_case():
@@ -58,9 +59,44 @@ def test_coarser_rollout_weights():
     assert set(coarse) == set(master)
     w, c = master["model.layers.0.mlp.up_proj.weight"], coarse["model.layers.0.mlp.up_proj.weight"]
     assert not (c.view(torch.int32) & (2**20 - 1)).any() and not torch.equal(c, w)
-    plain = grpo.Policy(grpo.GRPOConfig())
-    assert plain.rollout_weights() is plain.master  # plain BF16: the engine rounds the master itself
 
+
+def test_the_engine_gets_the_master_rounded_once_to_bf16():
+    """Plain BF16 pushes the compute copy: bit for bit what the engine's own rounding of the FP32 master gives
+    (`Engine.load_weights` converts with `.to`, round to nearest even), also after updates have moved the master."""
+    plain = grpo.Policy(grpo.GRPOConfig(lr=1e-2))
+    ids, attn = pad_batch([[1, 2, 3, 4, 5], [6, 7, 8]])
+    for _ in range(2):
+        lp, _ = plain.logprobs(ids, attn, grad=True)
+        plain.step(-lp.sum())
+    pushed, master = plain.rollout_weights().state_dict(), plain.master.state_dict()
+    assert set(pushed) == set(master)
+    assert all(torch.equal(pushed[k], master[k].to(torch.bfloat16)) for k in master)
+    assert not all(torch.equal(pushed[k].float(), master[k]) for k in master)  # the master holds more than BF16
+    control = grpo.Policy(grpo.GRPOConfig(precision="fp32"))
+    assert control.rollout_weights() is control.master
+
+
+
+def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
+    """The file `Engine.load_weights` hands to vLLM's loader: safetensors' own reader gets every tensor back exactly;
+    the next push of the same size overwrites the file in place and reads back as the new values; another layout
+    replaces it."""
+    from safetensors.torch import load_file
+
+    from rla_lib.engine import write_safetensors
+
+    path = str(tmp_path / "model.safetensors")
+    state = {k: v.detach().clone() for k, v in load_model("qwen3-tiny").state_dict().items() if k != "lm_head.weight"}
+    state["an.fp32.vector"] = torch.randn(5)
+    for round_ in range(2):
+        write_safetensors(state, path)
+        back = load_file(path)
+        assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+        assert all(back[k].dtype == state[k].dtype for k in state)
+        state = {k: v + 1 for k, v in state.items()}  # the next push: new values, same layout
+    write_safetensors({"one": torch.ones(3, dtype=torch.bfloat16)}, path)
+    assert load_file(path).keys() == {"one"}
 
 @pytest.mark.engine
 def test_coarser_rollouts_make_a_larger_mismatch(compiled_engine):

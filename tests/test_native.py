@@ -2,6 +2,7 @@
 vLLM CPU attention forward), on random data with padding, sliding windows, GQA and rows that attend to nothing; and
 torch's BF16 dot-product GEMM, against its order spelled in torch ops and, where it runs, torch's own kernel."""
 
+import copy
 import types
 
 import pytest
@@ -168,3 +169,53 @@ def test_torch_bf16_linear_is_torchs_kernel_bit_for_bit():
     # of 80,000 outputs: some 24 expected)
     x, w = torch.randn(400, 1000, generator=g).bfloat16(), (torch.randn(200, 1000, generator=g) / 16).bfloat16()
     assert not torch.equal(machine.rows_times(x.float(), w.float().T).bfloat16(), F.linear(x, w))
+
+
+def adamw_histories(make, betas, weight_decay, steps=4):
+    """Parameters and state after `steps` steps of the optimizer `make` builds, on tensors of awkward sizes (odd, one
+    element, a large one that the kernels split across threads) with gradients over many magnitudes, zeros included."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 33), (1,), (300_007,), (64, 1024), (3,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    opt = make(params, lr=3e-3, betas=betas, weight_decay=weight_decay, eps=1e-8)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-9, 1, p.shape, generator=g).float()
+            p.grad.view(-1)[::13] = 0
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("betas, weight_decay", [((0.9, 0.999), 0.0), ((0.9, 0.95), 0.1), ((0.3, 0.99), 0.0)],
+                         ids=["grpo", "weight-decay", "lerp-large-weight"])
+def test_adamw_gives_torchs_for_loop_bits(betas, weight_decay):
+    """Every parameter and moment bit for bit as torch's for-loop AdamW. Both lerp branches (weight 1-beta1 below and
+    above 0.5); a test that can fail: torch's fused AdamW rounds differently (checked below)."""
+    fast, fast_opt = adamw_histories(native.AdamW, betas, weight_decay)
+    loop, loop_opt = adamw_histories(lambda *a, **k: torch.optim.AdamW(*a, foreach=False, **k), betas, weight_decay)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(fast, loop))
+    for a, b in zip(fast_opt.state.values(), loop_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    fused, _ = adamw_histories(lambda *a, **k: torch.optim.AdamW(*a, fused=True, **k), betas, weight_decay)
+    assert not all(torch.equal(a.detach(), b.detach()) for a, b in zip(fused, loop))
+
+
+def test_adamw_state_loads_into_torchs_and_back():
+    """A checkpoint of one continues in the other with the same bits (the state is torch's own)."""
+    params, opt = adamw_histories(native.AdamW, (0.9, 0.999), 0.0)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(copies, lr=3e-3, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: no tensor shared
+    for a, b in zip(params, copies):
+        a.grad = b.grad = torch.full_like(a, 1e-3)
+    opt.step()
+    torch_opt.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(params, copies))
+    back = [torch.nn.Parameter(p.detach().clone()) for p in copies]
+    back_opt = native.AdamW(back, lr=1.0)  # the loaded state brings the run's settings
+    back_opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    for a, b in zip(back, copies):
+        a.grad = b.grad = torch.full_like(a, -2e-3)
+    back_opt.step()
+    torch_opt.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(back, copies))
