@@ -117,6 +117,23 @@ def test_suite_time_spread_counts_the_latest_passing_runs_on_the_newest_runs_mac
     assert readme_speed._spread(runs.tail(1), 12) == ""  # one run has no spread
 
 
+
+def test_the_suite_row_takes_each_levels_latest_cold_run(monkeypatch):
+    """A run capped on a newer CPU ("..., avx2 (capped) #k") belongs to the capped column, as an AVX2-only CPU's own
+    runs do; each CPU's figure is its latest cold run (a repeat in the same clone has warm compile caches)."""
+    runs = pd.DataFrame(dict(
+        label=["plain, avx2 #1", "plain, avx512_bf16 #1", "plain, avx2 (capped) #1", "plain, avx2 (capped) #2",
+               "loaded, avx512_bf16 #1", "plain, avx512_bf16 #2"],
+        commit=["z3", "n1", "c1", "c2", "l1", "n2"], setup_s=[200, 90, 100, 0, 90, 0],
+        test_s=[1200, 700, 640, 530, 900, 500], passed=[600] * 6, failed=[0] * 6, exit_code=[0] * 6,
+        machine=["EPYC (family 25 model 1)"] + ["EPYC (family 26 model 2)"] * 5))
+    monkeypatch.setattr(readme_speed, "load_table", lambda name: (runs, {}))
+    rows, checks = [], []
+    readme_speed._make_test_row(lambda *a, **k: rows.append((a, k)), checks, None)
+    (target, what, command, first, after, meta), options = rows[0]
+    assert after.startswith("11.7 min (n1)")  # not the warm repeat n2, nor a capped run, nor a loaded one
+    assert options["capped"].startswith("10.7 min (c1)") and "20.0 min (z3)" in options["capped"]
+
 def test_a_table_from_uncommitted_code_keeps_that_code_recoverable(tmp_path, monkeypatch):
     """A table written from a work tree with code changes names the commit, "+changes-<hash>", and the diff's patch:
     the commit plus the patch gives back the code that made the numbers."""
