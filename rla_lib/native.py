@@ -1,8 +1,9 @@
 """The kernel-order loops of `vector_sums.square_sum`, `attention.vllm_cpu_attention` and torch's BF16 dot-product GEMM
 (`machine.torch_bf16_linear`) in C (native_kernels.c), for speed: the torch-op versions take a Python loop of small
 tensor ops per element of the sum (+400% on a forward+backward at 8 layers, `benchmarks/align_overhead.py`); torch's
-own BF16 GEMM without BF16 instructions runs at a third of the FP32 library's rate. Same operations in the same order,
-so the same bits (tests/test_native.py).
+own BF16 GEMM without BF16 instructions runs at a third of the FP32 library's rate. And torch's for-loop AdamW
+(`AdamW`, the GRPO optimizer) in three passes over memory instead of seven. Same operations in the same order, so the
+same bits (tests/test_native.py).
 
 Compiled once per machine with the system C compiler into `.cache/native/` (about a second). Where there is none or
 the build fails (a warning says so), or with `RLA_NATIVE=0`, `library()` is None and the callers run their torch-op
@@ -172,7 +173,6 @@ def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     _parallel(batch * heads, run)
     return out, logsumexp, p
-
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -1,5 +1,5 @@
-/* Kernel-order FP32 math of rla_lib.vector_sums and rla_lib.attention, in C for speed. Every operation here is the
- * one the torch-op version in those modules performs, in the same order, so the bits are the same (tested): compiled
+/* Kernel-order FP32 math of rla_lib.vector_sums, rla_lib.attention and torch's AdamW, in C for speed. Every operation
+ * here is the one the torch-op version performs, in the same order, so the bits are the same (tested): compiled
  * with -ffp-contract=off (no multiply-add fused unless written as fmaf) and without -ffast-math (no reassociation).
  * Loops over independent lanes, rows and keys are free to vectorise; loops that accumulate stay sequential. */
 #include <float.h>
@@ -458,8 +458,7 @@ void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int
 /* One AdamW step over [begin, end) of contiguous FP32 tensors, element by element as torch's for-loop AdamW computes it
  * (torch.optim.adam._single_tensor_adam, its CPU kernels' arithmetic), in two passes around torch's own sqrt (its
  * vectorised sqrt is not the correctly rounded one: the caller runs that very op between the passes).
- * Moments: lerp_ (torch's kernel fuses it: one fmaf), mul_ then addcmul_ (value·g, then a fused multiply-add).
- * `decay` is 1 - lr·weight_decay (1: none, no multiply). */
+ * Moments: lerp_ (torch's kernel fuses it: one fmaf), mul_ then addcmul_ (value·g, then a fused multiply-add). */
 void adamw_moments(const float *g, float *m, float *v, int64_t begin, int64_t end, float lerp_weight, float beta2,
                    float one_minus_beta2) {
     const int small = fabsf(lerp_weight) < 0.5f;
@@ -472,7 +471,7 @@ void adamw_moments(const float *g, float *m, float *v, int64_t begin, int64_t en
 }
 
 /* Then the parameters from the moments and root = sqrt(v): (root / bias correction) + eps, then addcdiv_
- * ((value·m) / denominator, then added). */
+ * ((value·m) / denominator, then added). `decay` is 1 - lr·weight_decay (1: none, no multiply), applied first. */
 void adamw_parameters(float *p, const float *m, const float *root, int64_t begin, int64_t end, float decay,
                       float bias_correction2_sqrt, float eps, float neg_step_size) {
     for (int64_t i = begin; i < end; i++) {
