@@ -9,7 +9,7 @@ It also prints a floor for this machine: the rollout as the engine ran it (real 
 to change) plus the training side's linear-layer arithmetic on the real tokens alone (no padding, no attention or
 pointwise ops) at the best rate its GEMM reaches at the model's layer shapes here. A step with the same numerics,
 engine and GEMM kernel cannot take less.
-Target on 2 CPU cores: <= 0.5 s per step on the embedded model. At real shape (`make real-shape`):
+The targets are multiples of that floor (`tools/readme_speed.FLOOR_LIMITS`). At real shape (`make real-shape`):
     .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 3 --prompts 2 --group-size 4
 """
 

@@ -77,7 +77,6 @@ def test_the_engine_gets_the_master_rounded_once_to_bf16():
     assert control.rollout_weights() is control.master
 
 
-
 def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
     """The file `Engine.load_weights` hands to vLLM's loader: safetensors' own reader gets every tensor back exactly;
     the next push of the same size overwrites the file in place and reads back as the new values; another layout
@@ -89,7 +88,7 @@ def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
     path = str(tmp_path / "model.safetensors")
     state = {k: v.detach().clone() for k, v in load_model("qwen3-tiny").state_dict().items() if k != "lm_head.weight"}
     state["an.fp32.vector"] = torch.randn(5)
-    for round_ in range(2):
+    for _ in range(2):
         write_safetensors(state, path)
         back = load_file(path)
         assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
@@ -97,6 +96,7 @@ def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
         state = {k: v + 1 for k, v in state.items()}  # the next push: new values, same layout
     write_safetensors({"one": torch.ones(3, dtype=torch.bfloat16)}, path)
     assert load_file(path).keys() == {"one"}
+
 
 @pytest.mark.engine
 def test_coarser_rollouts_make_a_larger_mismatch(compiled_engine):
