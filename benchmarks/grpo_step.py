@@ -10,22 +10,29 @@ to change) plus the training side's linear-layer arithmetic on the real tokens a
 pointwise ops) at the best rate its GEMM reaches at the model's layer shapes here. A step with the same numerics,
 engine and GEMM kernel cannot take less.
 The targets are multiples of that floor (`tools/readme_speed.FLOOR_LIMITS`). At real shape (`make real-shape`):
-    .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 3 --prompts 2 --group-size 4
+    .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 3 --prompts 2 --group-size 4 --rewards coin
+The real shape's weights are random: it earns no reward, every advantage is 0 and so is every gradient, and the step
+is not one that learns (torch's sqrt, in AdamW, is several times slower on the zero second moments that follow).
+`--rewards coin` gives each sample a seeded 0/1 reward instead. `--allocator default` measures the step with glibc
+giving freed memory back at once, as it does outside `grpo.run` (`rla_lib.machine.reuse_freed_memory`).
 """
 
 import argparse
+import contextlib
+import os
 import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rla_lib import grpo
-from rla_lib.machine import capped_name, use_bf16_matmul
+from rla_lib.machine import GLIBC_DEFAULTS, M_MMAP_MAX, M_TRIM_THRESHOLD, capped_name, use_bf16_matmul
 from rla_lib.models import resolve_model
 from rla_lib.paths import slug
 from rla_lib.report import save_table
@@ -39,6 +46,15 @@ def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, i
     linears = [m for m in skeleton.modules() if isinstance(m, torch.nn.Linear)]
     weights = sum(m.weight.numel() for m in linears)
     return weights * (6 + 2 * (minibatches - 1) / minibatches) / 1e9, {(m.in_features, m.out_features) for m in linears}
+
+
+def coin_rewards(rollout):
+    """`grpo.rollout` with each sample's reward a fair coin's, seeded by the step: advantages that are not all 0 for a
+    model that cannot do the task (a real shape's random weights)."""
+    def rollout_with_coin_rewards(cfg, step, engine, exclude):
+        samples, _ = rollout(cfg, step, engine, exclude)
+        return samples, np.random.default_rng([cfg.seed, step]).integers(0, 2, len(samples)).astype(float)
+    return rollout_with_coin_rewards
 
 
 def gemm_gflops(shape: tuple[int, int], rows: int, dtype, repeats: int = 10) -> float:
@@ -64,7 +80,15 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rewards", default="task", choices=["task", "coin"])
+    parser.add_argument("--allocator", default="keep", choices=["keep", "default"])
     args = parser.parse_args()
+    if args.rewards == "coin":
+        grpo.rollout = coin_rewards(grpo.rollout)
+    if args.allocator == "default":
+        grpo.reuse_freed_memory = contextlib.nullcontext
+        os.environ.update({name: str(GLIBC_DEFAULTS[parameter]) for name, parameter in
+                           (("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD), ("MALLOC_MMAP_MAX_", M_MMAP_MAX))})
     cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
                           eval_every=10**9, checkpoint_every=10**9)
@@ -73,6 +97,9 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     parts = ["t_rollout", "t_score", "t_update", "t_sync"]
     h = h[h["step"] > 1]  # step 0 is the held-out accuracy before training, step 1 the warm-up
     med = h[parts].median()
+    if (h["grad_norm"] == 0).all():
+        print("Every gradient was 0 (no group had two different rewards): not a step that learns. For a model that "
+              "cannot do the task, pass --rewards coin.")
     print(f"GRPO step, {args.model}, {args.precision}, regions={args.regions or 'none'}, "
           f"{args.prompts} prompts x {args.group_size} samples, median of {len(h)} steps after warm-up:")
     for p in parts:

@@ -47,7 +47,7 @@ from . import native, task
 from .align import align
 from .engine import Engine
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
-from .machine import machine, use_fp32_row_blocks
+from .machine import machine, reuse_freed_memory, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write
 from .progress import bar
@@ -378,7 +378,12 @@ def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = Non
                              "use another out_dir, or delete it to start over")
     atomic_write(config_path, lambda p: p.write_text(json.dumps(settings, indent=1, sort_keys=True)))
     record_machine(out_dir / "machine.json")
+    with reuse_freed_memory():  # each step's large tensors take the last step's memory, not freshly faulted pages
+        return train(cfg, out_dir, engine, progress)
 
+
+def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
+    """`run`'s loop, in a folder it has checked."""
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg)
     history, start = [], 1

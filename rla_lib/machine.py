@@ -15,6 +15,7 @@ path rounds in its own places: the same commit gives different gaps on different
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import gc
@@ -435,6 +436,42 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# glibc's mallopt parameters (malloc.h) and their defaults
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
+KEEP_FREED = {M_TRIM_THRESHOLD: 2**31 - 1, M_MMAP_MAX: 0}  # trim only above 2 GB free; no block on its own pages
+# the same, for a process started later (glibc reads them at its first malloc): vLLM's engine processes
+KEEP_FREED_ENVIRONMENT = {"MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED[M_TRIM_THRESHOLD]), "MALLOC_MMAP_MAX_": "0"}
+
+
+def _mallopt():
+    return getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
+
+
+@contextlib.contextmanager
+def reuse_freed_memory():
+    """Inside, glibc keeps the memory a process frees and hands it out again, as a GPU caching allocator does; on
+    leaving, the defaults again and the kept memory goes back to the system (`release_memory`).
+
+    A training step frees and allocates the same large tensors each time (the tied embedding's vocabulary-sized
+    gradients, the log-softmax over the vocabulary). By default glibc gives each one back to the system when it is
+    freed, and the next step faults its pages in again, zeroed, page by page (slow in a VM). The arithmetic, and so
+    every bit, is unchanged; `benchmarks/grpo_step.py --allocator default` measures the difference. Elsewhere than
+    glibc, nothing changes."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        yield
+        return
+    for parameter, value in KEEP_FREED.items():
+        mallopt(parameter, value)
+    try:
+        yield
+    finally:
+        for parameter, value in GLIBC_DEFAULTS.items():
+            mallopt(parameter, value)
+        release_memory()
 
 
 def release_memory() -> None:

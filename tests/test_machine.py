@@ -298,3 +298,40 @@ def test_the_training_forward_sums_as_the_engines_linear_at_levels_without_bf16_
         assert r["differing"] == 0, (shape, r)
     if level == "avx512" or machine.isa_level() == "avx2":  # capped above AVX2, torch's linear may be oneDNN's (as MKL's order)
         assert sum(r["library_differing"] for r in result["products"].values()) > 0, result
+
+
+FREED_MEMORY_PROBE = """
+import json, os, torch
+from rla_lib.machine import reuse_freed_memory
+size = 256 << 20
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def touch_and_free():
+    x = torch.ones(size // 4)  # every page written
+    del x
+base = resident()
+touch_and_free()
+default = resident() - base
+with reuse_freed_memory():
+    touch_and_free()
+    kept = resident() - base
+    for _ in range(8):
+        touch_and_free()
+    after_steps = resident() - base
+left = resident() - base
+touch_and_free()
+print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_steps, left=left, after=resident() - base)))
+"""
+
+
+@pytest.mark.skipif(machine._mallopt() is None, reason="glibc's mallopt only")
+def test_freed_memory_is_kept_for_reuse_inside_and_given_back_after():
+    out = subprocess.run([sys.executable, "-c", FREED_MEMORY_PROBE], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    small = r["size"] // 10  # the interpreter's own allocations meanwhile
+    assert r["default"] < small  # glibc's default: a large block goes back to the system when it is freed
+    assert r["kept"] > r["size"] - small  # inside: kept after it is freed ...
+    # ... and taken again by the next ones: 8 more allocations of the size grow the process by at most one more (a
+    # small allocation in between can split the kept block), where each would add its own without reuse
+    assert r["after_steps"] < 2 * r["size"] + small
+    assert r["left"] < small and r["after"] < small  # after: given back, and the default again
