@@ -237,17 +237,20 @@ def block_speed() -> str:
     if (TABLES_DIR / f"{real_shape}.csv").exists():
         t, meta = load_table(real_shape)
         p = meta.get("params", {})
-        with_memory = lambda r: f"{step(r)}; peak {r['peak_gb']:.1f} GB (training process)"
+        def with_memory(table, meta) -> str:
+            # random weights earn no task reward: all-0 advantages and gradients, not a step that learns
+            rewards = "coin-flip rewards" if meta.get("params", {}).get("rewards") == "coin" else "every gradient 0"
+            return f"{step(table.iloc[0])}; peak {table['peak_gb'].iloc[0]:.1f} GB (training process); {rewards}"
         before = _optional_table(f"{real_shape}_before")
         capped = _capped_table(real_shape)
         checks.append(("the GRPO step at the real shape", FLOOR_LIMITS["real shape"], "x its floor", _without_ci(
             _times_floor(t), _times_floor(capped[0]) if capped else None)))
         add(f"GRPO step at the real shape <= {FLOOR_LIMITS['real shape']:g}x its floor; peak memory",
             f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
-            f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape",
-            f"{with_memory(before[0].iloc[0])} ({before[1]['commit']})" if before else "(not measured)",
-            f"{with_memory(t.iloc[0])} ({meta['commit']})", meta, before[1] if before else None,
-            f"{with_memory(capped[0].iloc[0])} ({capped[1]['commit']})" if capped else "(not measured)")
+            f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape "
+            "--rewards coin", f"{with_memory(*before)} ({before[1]['commit']})" if before else "(not measured)",
+            f"{with_memory(t, meta)} ({meta['commit']})", meta, before[1] if before else None,
+            f"{with_memory(*capped)} ({capped[1]['commit']})" if capped else "(not measured)")
     if (TABLES_DIR / "bench_adamw_step.csv").exists():
         t, meta = load_table("bench_adamw_step")
         largest = lambda table: table.sort_values("parameters").iloc[-1]  # the largest model measured
