@@ -183,6 +183,13 @@ class WorkerExtension:
         if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
 
+    def trim_freed_memory(self) -> None:
+        """Bound the freed memory this process keeps for the next push (rla_lib.machine.trim_freed_memory); a push
+        frees the last push's weights, so what it keeps is up to what it uses."""
+        from rla_lib.machine import trim_freed_memory
+
+        trim_freed_memory(keep=1.0)
+
     # ---- full next-token distributions as tensors (any vocabulary; `Engine.prompt_hidden`) --------------
     def keep_prompt_hidden(self, on: bool) -> None:
         """While on, keep a copy of the final hidden states at every prompt position vLLM computes prompt
@@ -499,6 +506,7 @@ class Engine:
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self._weights_dir, is_checkpoint_format=True))
         if self.spec.tie_word_embeddings:
             self.llm.collective_rpc("refresh_tied_lm_head")
+        self.llm.collective_rpc("trim_freed_memory")  # its processes keep freed memory for the next push, up to a bound
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
 
     # ---- vLLM internals that rla_lib.graphs reads (its captures run the engine core in-process) --------

@@ -47,7 +47,7 @@ from . import native, task
 from .align import align
 from .engine import Engine
 from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
-from .machine import machine, reuse_freed_memory, use_fp32_row_blocks
+from .machine import machine, reuse_freed_memory, trim_freed_memory, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write
 from .progress import bar
@@ -109,9 +109,9 @@ class GRPOConfig:
         return "bfloat16" if self.precision == "bf16" else "float32"
 
 
-# Memory a GRPO run needs: FP32 master weights 4 + AdamW state 8 + FP32 gradients 4 + BF16 copy and its gradients 4
-# + the engine's copy 2
-BYTES_PER_PARAMETER = 22
+# Memory a GRPO run needs: FP32 master weights 4 + AdamW state 8 + BF16 copy and its gradients 4 + the engine's copy 2
+# (the master takes the BF16 gradients as they are: no FP32 copies)
+BYTES_PER_PARAMETER = 18
 
 
 # ---- the objective ---------------------------------------------------------------------------
@@ -136,6 +136,15 @@ def clipped_loss(new_lp, old_lp, advantages, mask, clip: float, tis_weight=None)
     loss = -(surrogate * mask).sum() / n
     clipped = ((ratio - 1).abs() > clip).float()
     return loss, ((clipped * mask).sum() / n).item()
+
+
+def clip_coefficient(grads, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total norm, clip coefficient) of torch.nn.utils.clip_grad_norm_ for the FP32 values of `grads`, bit for bit: each
+    tensor's 2-norm accumulated in FP32 (vector_norm of a BF16 tensor with dtype=float32 gives the bits of its FP32
+    copy's, tested), the norm of those norms, then min(max_norm / (norm + 1e-6), 1)."""
+    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads if g is not None]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2)
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 # ---- the two sides -------------------------------------------------------------------------
@@ -182,23 +191,22 @@ class Policy:
         return (lp, entropy, logp.detach()) if full else (lp, entropy)
 
     def step(self, loss) -> float:
+        """Backward, clip the gradient's norm, AdamW on the master; returns the norm before clipping."""
         if self.compute is self.master:
             self.opt.zero_grad(set_to_none=True)
-        else:
-            self.compute.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.max_grad_norm)
+            self.opt.step()
+            return grad_norm.item()
+        self.compute.zero_grad(set_to_none=True)
         loss.backward()
-        if self.compute is not self.master:
-            for c, m in zip(self.compute.parameters(), self.master.parameters()):
-                if c.grad is None:
-                    m.grad = None
-                elif m.grad is None:
-                    m.grad = c.grad.float()
-                else:  # the last step's FP32 buffer, overwritten: no fresh memory to fault in at every step
-                    m.grad.copy_(c.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.max_grad_norm).item()
-        self.opt.step()
+        # The master takes the BF16 gradients as they are (FP32 copies of them would hold the same values):
+        # torch's clip_grad_norm_ and AdamW arithmetic on those values, without the copies (native.AdamW)
+        grads = [c.grad for c in self.compute.parameters()]
+        grad_norm, clip = clip_coefficient(grads, self.cfg.max_grad_norm)
+        self.opt.step_with_grads(grads, clip)
         self.refresh_compute()
-        return grad_norm
+        return grad_norm.item()
 
 
 # ---- one step ------------------------------------------------------------------------------
@@ -409,6 +417,7 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
     try:
         for step in bar(range(start, cfg.steps + 1), progress, initial=start - 1, total=cfg.steps, desc=out_dir.name):
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
+            trim_freed_memory()  # what reuse_freed_memory keeps for the next step, bounded
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(ckpt, policy, step, history)
                 atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))

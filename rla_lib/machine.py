@@ -444,34 +444,61 @@ GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
 KEEP_FREED = {M_TRIM_THRESHOLD: 2**31 - 1, M_MMAP_MAX: 0}  # trim only above 2 GB free; no block on its own pages
 # the same, for a process started later (glibc reads them at its first malloc): vLLM's engine processes
 KEEP_FREED_ENVIRONMENT = {"MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED[M_TRIM_THRESHOLD]), "MALLOC_MMAP_MAX_": "0"}
+FREED_MEMORY_KEPT = 0.5  # freed memory kept for reuse at most, as a share of the memory in use (`trim_freed_memory`)
 
 
-def _mallopt():
-    return getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _glibc():
+    """glibc, where it has what `reuse_freed_memory` needs (mallopt, malloc_trim, mallinfo2: 2.33 or later), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None)
+    if not all(hasattr(libc, name) for name in ("mallopt", "malloc_trim", "mallinfo2")):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 @contextlib.contextmanager
 def reuse_freed_memory():
-    """Inside, glibc keeps the memory a process frees and hands it out again, as a GPU caching allocator does; on
-    leaving, the defaults again and the kept memory goes back to the system (`release_memory`).
+    """Inside, glibc keeps the memory a process frees and hands it out again, as a GPU caching allocator does (call
+    `trim_freed_memory` between steps to bound what it keeps); on leaving, the defaults again and the kept memory goes
+    back to the system (`release_memory`).
 
     A training step frees and allocates the same large tensors each time (the tied embedding's vocabulary-sized
     gradients, the log-softmax over the vocabulary). By default glibc gives each one back to the system when it is
     freed, and the next step faults its pages in again, zeroed, page by page (slow in a VM). The arithmetic, and so
     every bit, is unchanged; `benchmarks/grpo_step.py --allocator default` measures the difference. Elsewhere than
-    glibc, nothing changes."""
-    mallopt = _mallopt()
-    if mallopt is None:
+    glibc 2.33 or later, nothing changes."""
+    libc = _glibc()
+    if libc is None:
         yield
         return
     for parameter, value in KEEP_FREED.items():
-        mallopt(parameter, value)
+        libc.mallopt(parameter, value)
     try:
         yield
     finally:
         for parameter, value in GLIBC_DEFAULTS.items():
-            mallopt(parameter, value)
+            libc.mallopt(parameter, value)
         release_memory()
+
+
+def trim_freed_memory(keep: float = FREED_MEMORY_KEPT) -> None:
+    """Give the freed memory glibc keeps back to the system once it is more than `keep` times the memory in use. glibc
+    before 2.38 does not hand a freed block to an aligned allocation (torch's) of the same size, so what
+    `reuse_freed_memory` keeps can grow step after step without this bound; a GRPO step at the real shape leaves
+    about a quarter of its memory freed, which the next step takes again."""
+    libc = _glibc()
+    if libc is not None:
+        info = libc.mallinfo2()
+        if info.fordblks > keep * info.uordblks:
+            libc.malloc_trim(0)
 
 
 def release_memory() -> None:

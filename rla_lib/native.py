@@ -84,6 +84,8 @@ def library() -> ctypes.CDLL | None:
     lib.torch_dot_linear.restype = None
     lib.adamw_moments.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float] * 3
     lib.adamw_moments.restype = None
+    lib.adamw_moments_bf16.argtypes = [ptr, ctypes.c_float, ptr, ptr] + [i64] * 2 + [ctypes.c_float] * 3
+    lib.adamw_moments_bf16.restype = None
     lib.adamw_parameters.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float] * 4
     lib.adamw_parameters.restype = None
     return lib
@@ -177,13 +179,19 @@ def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  root: torch.Tensor, *, decay: float, lerp_weight: float, beta2: float, one_minus_beta2: float,
-                 bias_correction2_sqrt: float, eps: float, neg_step_size: float) -> None:
+                 bias_correction2_sqrt: float, eps: float, neg_step_size: float, grad_scale: float = 1.0) -> None:
     """One AdamW step of contiguous FP32 tensors in place, each element as torch's for-loop AdamW computes it
     (native_kernels.c): three passes over memory instead of seven, and no fresh tensors. `root` (as large as `param`)
-    receives torch's own sqrt of the second moment. The scalars are rounded to FP32, as torch's kernels round them."""
+    receives torch's own sqrt of the second moment. The scalars are rounded to FP32, as torch's kernels round them.
+    A BF16 `grad` is taken as its FP32 copy multiplied by `grad_scale` (FP32 gradients are taken as they are)."""
     lib, n, grain = library(), param.numel(), 1 << 18  # below a grain, a thread costs more than it saves
-    _parallel(n, lambda begin, end: lib.adamw_moments(grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                                                      begin, end, lerp_weight, beta2, one_minus_beta2), grain)
+    if grad.dtype == torch.bfloat16:  # a BF16 gradient times `grad_scale`, as if copied to FP32 and clipped first
+        _parallel(n, lambda begin, end: lib.adamw_moments_bf16(grad.data_ptr(), grad_scale, exp_avg.data_ptr(),
+                                                               exp_avg_sq.data_ptr(), begin, end, lerp_weight, beta2,
+                                                               one_minus_beta2), grain)
+    else:
+        _parallel(n, lambda begin, end: lib.adamw_moments(grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                                          begin, end, lerp_weight, beta2, one_minus_beta2), grain)
     torch.sqrt(exp_avg_sq, out=root)
     _parallel(n, lambda begin, end: lib.adamw_parameters(param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), begin,
                                                          end, decay, bias_correction2_sqrt, eps, neg_step_size), grain)
@@ -213,19 +221,43 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None or not self._covered():
             return super().step(closure)
-        for group in self.param_groups:
+        self._step([(p, p.grad) for g in self.param_groups for p in g["params"]])
+
+    @torch.no_grad()
+    def step_with_grads(self, grads: list[torch.Tensor | None], grad_scale: torch.Tensor) -> None:
+        """A step with `grads` (one per parameter in the groups' order, None: none) in place of `.grad`, each first
+        multiplied by `grad_scale` (an FP32 scalar tensor: the gradient-norm clip's coefficient). The bits of
+        `p.grad = g.float()`, `p.grad.mul_(grad_scale)` and `step()`, without FP32 gradients: BF16 gradients (a mixed-
+        precision model's) are read once, in the moments' pass. `.grad` is left as it was."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(grads) != len(params):
+            raise ValueError(f"step_with_grads needs one gradient (or None) per parameter: {len(params)}, got {len(grads)}")
+        native = self._covered() and all(g is None or (g.device.type == "cpu" and g.dtype == torch.bfloat16 and
+                                                       g.is_contiguous() and g.shape == p.shape)
+                                         for p, g in zip(params, grads))
+        if not native:  # the torch ops it stands for
+            for p, g in zip(params, grads):
+                p.grad = None if g is None else g.float().mul_(grad_scale)
+            return self.step()
+        self._step(list(zip(params, grads)), float(grad_scale))
+
+    def _step(self, params_and_grads, grad_scale: float = 1.0) -> None:
+        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        for p, grad in params_and_grads:
+            if grad is None:
+                continue
+            group = group_of[id(p)]
             lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:  # as torch's _init_group makes it
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = state["step"].item()
-                if self._root.numel() < p.numel():
-                    self._root = torch.empty(max(p.numel() for g in self.param_groups for p in g["params"]))
-                adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self._root[: p.numel()].view(p.shape),
-                             decay=1 - lr * weight_decay if weight_decay != 0 else 1.0, lerp_weight=1 - beta1,
-                             beta2=beta2, one_minus_beta2=1 - beta2, bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
-                             eps=eps, neg_step_size=-(lr / (1 - beta1**step)))
+            state = self.state[p]
+            if not state:  # as torch's _init_group makes it
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            step = state["step"].item()
+            if self._root.numel() < p.numel():
+                self._root = torch.empty(max(p.numel() for g in self.param_groups for p in g["params"]))
+            adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], self._root[: p.numel()].view(p.shape),
+                         decay=1 - lr * weight_decay if weight_decay != 0 else 1.0, lerp_weight=1 - beta1,
+                         beta2=beta2, one_minus_beta2=1 - beta2, bias_correction2_sqrt=(1 - beta2**step) ** 0.5,
+                         eps=eps, neg_step_size=-(lr / (1 - beta1**step)), grad_scale=grad_scale)

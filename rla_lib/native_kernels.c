@@ -470,6 +470,20 @@ void adamw_moments(const float *g, float *m, float *v, int64_t begin, int64_t en
     }
 }
 
+/* The same from BF16 gradients, each first multiplied by `scale` in FP32 (the gradient-norm clip's coefficient): the
+ * bits of copying them into FP32 gradients, clipping those (mul_) and running `adamw_moments`, in one pass. */
+void adamw_moments_bf16(const uint16_t *g, float scale, float *m, float *v, int64_t begin, int64_t end,
+                        float lerp_weight, float beta2, float one_minus_beta2) {
+    const int small = fabsf(lerp_weight) < 0.5f;
+    const float coefficient = small ? lerp_weight : lerp_weight - 1.0f;
+    for (int64_t i = begin; i < end; i++) {
+        union { uint32_t u; float f; } widened = {(uint32_t)g[i] << 16};  /* BF16 -> FP32 is exact */
+        const float grad = widened.f * scale;
+        m[i] = fmaf(coefficient, grad - m[i], small ? m[i] : grad);
+        v[i] = fmaf(one_minus_beta2 * grad, grad, v[i] * beta2);
+    }
+}
+
 /* Then the parameters from the moments and root = sqrt(v): (root / bias correction) + eps, then addcdiv_
  * ((value·m) / denominator, then added). `decay` is 1 - lr·weight_decay (1: none, no multiply), applied first. */
 void adamw_parameters(float *p, const float *m, const float *root, int64_t begin, int64_t end, float decay,

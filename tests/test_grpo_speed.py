@@ -128,3 +128,53 @@ def test_fast_step_equals_reference_bitwise(compiled_engine, tmp_path, monkeypat
     assert all(torch.equal(a["master"][k], b["master"][k]) for k in a["master"])
     state_a, state_b = a["opt"]["state"], b["opt"]["state"]
     assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_clip_coefficient_is_clip_grad_norms_on_fp32_copies_bit_for_bit():
+    """grpo.clip_coefficient on BF16 gradients: torch's clip_grad_norm_ on their FP32 copies, the norm and each clipped
+    gradient bit for bit (sizes below and above torch's thread grain, one parameter without a gradient)."""
+    g = torch.Generator().manual_seed(2)
+    shapes = [(5,), (151, 1024), (1,), (2_000_003,), (33, 7)]
+    grads = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-8, 0, s, generator=g).float()).bfloat16()
+             for s in shapes]
+    grads[2] = None
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, grad in zip(params, grads):
+        p.grad = None if grad is None else grad.float()
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    total, coefficient = grpo.clip_coefficient(grads, 0.5)
+    assert coefficient < 1 and total.view(torch.int32) == norm.view(torch.int32)
+    assert all(torch.equal((grad.float() * coefficient).view(torch.int32), p.grad.view(torch.int32))
+               for p, grad in zip(params, grads) if grad is not None)
+
+
+def test_policy_step_is_torchs_clip_and_adamw_on_fp32_gradient_copies():
+    """grpo.Policy.step (BF16 gradients straight into native.AdamW) leaves the master weights, the optimizer state and
+    the BF16 copy as copying the gradients into the FP32 master, torch's clip_grad_norm_ and for-loop AdamW do."""
+    cfg = grpo.GRPOConfig(max_grad_norm=0.05)  # small: the clip scales every step
+    policy, reference = grpo.Policy(cfg), grpo.Policy(cfg)
+    reference_opt = torch.optim.AdamW(reference.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                     weight_decay=cfg.weight_decay, foreach=False)
+    ids, attn = pad_batch(some_sequences(6))
+    for _ in range(3):
+        norms = []
+        for p, opt in ((policy, None), (reference, reference_opt)):
+            lp, _ = p.logprobs(ids, attn, grad=True)
+            loss = -(lp * attn[:, 1:]).sum() / attn[:, 1:].sum()
+            if opt is None:
+                norms.append(p.step(loss))
+                continue
+            p.compute.zero_grad(set_to_none=True)
+            loss.backward()
+            for c, m in zip(p.compute.parameters(), p.master.parameters()):
+                m.grad = None if c.grad is None else c.grad.float()
+            norms.append(torch.nn.utils.clip_grad_norm_(p.master.parameters(), cfg.max_grad_norm).item())
+            opt.step()
+            p.refresh_compute()
+        assert norms[0] == norms[1] > cfg.max_grad_norm
+    for a, b in zip(policy.master.state_dict().values(), reference.master.state_dict().values()):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(policy.compute.state_dict().values(), reference.compute.state_dict().values()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(policy.opt.state.values(), reference_opt.state.values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["exp_avg"], b["exp_avg"])

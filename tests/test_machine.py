@@ -302,7 +302,7 @@ def test_the_training_forward_sums_as_the_engines_linear_at_levels_without_bf16_
 
 FREED_MEMORY_PROBE = """
 import json, os, torch
-from rla_lib.machine import reuse_freed_memory
+from rla_lib.machine import reuse_freed_memory, trim_freed_memory
 size = 256 << 20
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -317,6 +317,7 @@ with reuse_freed_memory():
     kept = resident() - base
     for _ in range(8):
         touch_and_free()
+        trim_freed_memory(keep=0.5)  # the interpreter and torch hold far less than a block in use: trims each time
     after_steps = resident() - base
 left = resident() - base
 touch_and_free()
@@ -324,14 +325,14 @@ print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_s
 """
 
 
-@pytest.mark.skipif(machine._mallopt() is None, reason="glibc's mallopt only")
+@pytest.mark.skipif(machine._glibc() is None, reason="glibc 2.33 or later only")
 def test_freed_memory_is_kept_for_reuse_inside_and_given_back_after():
     out = subprocess.run([sys.executable, "-c", FREED_MEMORY_PROBE], capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     small = r["size"] // 10  # the interpreter's own allocations meanwhile
     assert r["default"] < small  # glibc's default: a large block goes back to the system when it is freed
     assert r["kept"] > r["size"] - small  # inside: kept after it is freed ...
-    # ... and taken again by the next ones: 8 more allocations of the size grow the process by at most one more (a
-    # small allocation in between can split the kept block), where each would add its own without reuse
+    # ... and, with a bound of one block's size kept, 8 more allocations of the size leave the process at most
+    # two blocks larger (the kept one and the live one's), where each would add its own unbounded (glibc < 2.38)
     assert r["after_steps"] < 2 * r["size"] + small
     assert r["left"] < small and r["after"] < small  # after: given back, and the default again

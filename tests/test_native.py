@@ -219,3 +219,38 @@ def test_adamw_state_loads_into_torchs_and_back():
     back_opt.step()
     torch_opt.step()
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(back, copies))
+
+
+@pytest.mark.parametrize("clip, kernels", [(0.37, "native"), (1.0, "native"), (0.37, "torch ops")])
+def test_adamw_step_with_bf16_grads_is_their_fp32_copies_clipped_then_stepped(clip, kernels, monkeypatch):
+    """step_with_grads(BF16 gradients, clip coefficient) gives the bits of torch's for-loop AdamW after copying them into
+    FP32 gradients and multiplying those by the coefficient (grpo.Policy's earlier step), over steps where one
+    gradient is missing; without the compiled kernels, the torch ops it stands for run."""
+    if kernels == "torch ops":
+        monkeypatch.setattr(native, "library", lambda: None)
+    g = torch.Generator().manual_seed(1)
+    shapes = [(7, 33), (1,), (300_007,), (64, 1024), (3,)]
+    start = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    fast, loop = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    fast_opt, loop_opt = native.AdamW(fast, lr=3e-3), torch.optim.AdamW(loop, lr=3e-3, foreach=False)
+    coefficient = torch.tensor(clip, dtype=torch.float32)
+    for step in range(4):
+        grads = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 1, s, generator=g).float()).bfloat16()
+                 for s in shapes]
+        grads[1] = None if step == 2 else grads[1]
+        fast_opt.step_with_grads(grads, coefficient)
+        for p, grad in zip(loop, grads):
+            p.grad = None if grad is None else grad.float()
+        torch._foreach_mul_([p.grad for p in loop if p.grad is not None], coefficient)
+        loop_opt.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(fast, loop))
+    for a, b in zip(fast_opt.state.values(), loop_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    if kernels == "native":
+        assert all(p.grad is None for p in fast)  # no FP32 gradients were made
+
+
+def test_adamw_step_with_grads_refuses_a_list_of_the_wrong_length():
+    opt = native.AdamW([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    with pytest.raises(ValueError, match="one gradient .or None. per parameter: 2, got 1"):
+        opt.step_with_grads([torch.zeros(3).bfloat16()], torch.tensor(1.0))
