@@ -48,6 +48,7 @@ import torch
 
 from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
                              environment_of, guest_call, multiprocess, restore_environment)
+from .machine import trim_freed_memory
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
 from .scoring import log_softmax_at
@@ -186,8 +187,6 @@ class WorkerExtension:
     def trim_freed_memory(self) -> None:
         """Bound the freed memory this process keeps for the next push (rla_lib.machine.trim_freed_memory); a push
         frees the last push's weights, so what it keeps is up to what it uses."""
-        from rla_lib.machine import trim_freed_memory
-
         trim_freed_memory(keep=1.0)
 
     # ---- full next-token distributions as tensors (any vocabulary; `Engine.prompt_hidden`) --------------
