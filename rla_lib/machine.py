@@ -467,8 +467,9 @@ def _glibc():
 @contextlib.contextmanager
 def reuse_freed_memory():
     """Inside, glibc keeps the memory a process frees and hands it out again, as a GPU caching allocator does (call
-    `trim_freed_memory` between steps to bound what it keeps); on leaving, the defaults again and the kept memory goes
-    back to the system (`release_memory`).
+    `trim_freed_memory` between steps to bound what it keeps); on leaving, glibc's defaults again and the kept memory
+    goes back to the system (`release_memory`; a block later allocated and freed inside the heap the run grew waits
+    for the next `release_memory`).
 
     A training step frees and allocates the same large tensors each time (the tied embedding's vocabulary-sized
     gradients, the log-softmax over the vocabulary). By default glibc gives each one back to the system when it is

