@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rla_lib import grpo
-from rla_lib.machine import GLIBC_DEFAULTS, M_MMAP_MAX, M_TRIM_THRESHOLD, capped_name, use_bf16_matmul
+from rla_lib.machine import GLIBC_DEFAULTS, capped_name, malloc_environment, use_bf16_matmul
 from rla_lib.models import resolve_model
 from rla_lib.paths import slug
 from rla_lib.report import save_table
@@ -87,8 +87,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
         grpo.rollout = coin_rewards(grpo.rollout)
     if args.allocator == "default":
         grpo.reuse_freed_memory = contextlib.nullcontext
-        os.environ.update({name: str(GLIBC_DEFAULTS[parameter]) for name, parameter in
-                           (("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD), ("MALLOC_MMAP_MAX_", M_MMAP_MAX))})
+        os.environ.update(malloc_environment(GLIBC_DEFAULTS))  # the engine's processes too
     cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
                           eval_every=10**9, checkpoint_every=10**9)

@@ -442,8 +442,16 @@ if __name__ == "__main__":
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
 KEEP_FREED = {M_TRIM_THRESHOLD: 2**31 - 1, M_MMAP_MAX: 0}  # trim only above 2 GB free; no block on its own pages
-# the same, for a process started later (glibc reads them at its first malloc): vLLM's engine processes
-KEEP_FREED_ENVIRONMENT = {"MALLOC_TRIM_THRESHOLD_": str(KEEP_FREED[M_TRIM_THRESHOLD]), "MALLOC_MMAP_MAX_": "0"}
+
+
+def malloc_environment(settings: dict[int, int]) -> dict[str, str]:
+    """mallopt `settings` as the variables glibc reads at a process's first malloc (for processes started later)."""
+    names = {M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_", M_MMAP_MAX: "MALLOC_MMAP_MAX_"}
+    return {names[parameter]: str(value) for parameter, value in settings.items()}
+
+
+KEEP_FREED_ENVIRONMENT = malloc_environment(KEEP_FREED)  # vLLM's engine processes'
+
 FREED_MEMORY_KEPT = 0.5  # freed memory kept for reuse at most, as a share of the memory in use (`trim_freed_memory`)
 
 

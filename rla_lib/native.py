@@ -221,7 +221,7 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None or not self._covered():
             return super().step(closure)
-        self._step([(p, p.grad) for g in self.param_groups for p in g["params"]])
+        self._step([p.grad for g in self.param_groups for p in g["params"]])
 
     @torch.no_grad()
     def step_with_grads(self, grads: list[torch.Tensor | None], grad_scale: torch.Tensor) -> None:
@@ -239,14 +239,15 @@ class AdamW(torch.optim.AdamW):
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.float().mul_(grad_scale)
             return self.step()
-        self._step(list(zip(params, grads)), float(grad_scale))
+        self._step(grads, float(grad_scale))
 
-    def _step(self, params_and_grads, grad_scale: float = 1.0) -> None:
-        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
-        for p, grad in params_and_grads:
+    def _step(self, grads: list[torch.Tensor | None], grad_scale: float = 1.0) -> None:
+        """`adamw_update` of each parameter with its gradient in `grads` (the groups' order; None: skipped)."""
+        grads = iter(grads)
+        for group, p in ((group, p) for group in self.param_groups for p in group["params"]):
+            grad = next(grads)
             if grad is None:
                 continue
-            group = group_of[id(p)]
             lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             state = self.state[p]
             if not state:  # as torch's _init_group makes it

@@ -459,15 +459,18 @@ void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int
  * (torch.optim.adam._single_tensor_adam, its CPU kernels' arithmetic), in two passes around torch's own sqrt (its
  * vectorised sqrt is not the correctly rounded one: the caller runs that very op between the passes).
  * Moments: lerp_ (torch's kernel fuses it: one fmaf), mul_ then addcmul_ (value·g, then a fused multiply-add). */
+static inline void moments_at(int64_t i, float grad, float *m, float *v, int small, float coefficient, float beta2,
+                              float one_minus_beta2) {
+    m[i] = fmaf(coefficient, grad - m[i], small ? m[i] : grad);
+    v[i] = fmaf(one_minus_beta2 * grad, grad, v[i] * beta2);
+}
+
 void adamw_moments(const float *g, float *m, float *v, int64_t begin, int64_t end, float lerp_weight, float beta2,
                    float one_minus_beta2) {
     const int small = fabsf(lerp_weight) < 0.5f;
     const float coefficient = small ? lerp_weight : lerp_weight - 1.0f;
-    for (int64_t i = begin; i < end; i++) {
-        const float grad = g[i];
-        m[i] = fmaf(coefficient, grad - m[i], small ? m[i] : grad);
-        v[i] = fmaf(one_minus_beta2 * grad, grad, v[i] * beta2);
-    }
+    for (int64_t i = begin; i < end; i++)
+        moments_at(i, g[i], m, v, small, coefficient, beta2, one_minus_beta2);
 }
 
 /* The same from BF16 gradients, each first multiplied by `scale` in FP32 (the gradient-norm clip's coefficient): the
@@ -478,9 +481,7 @@ void adamw_moments_bf16(const uint16_t *g, float scale, float *m, float *v, int6
     const float coefficient = small ? lerp_weight : lerp_weight - 1.0f;
     for (int64_t i = begin; i < end; i++) {
         union { uint32_t u; float f; } widened = {(uint32_t)g[i] << 16};  /* BF16 -> FP32 is exact */
-        const float grad = widened.f * scale;
-        m[i] = fmaf(coefficient, grad - m[i], small ? m[i] : grad);
-        v[i] = fmaf(one_minus_beta2 * grad, grad, v[i] * beta2);
+        moments_at(i, widened.f * scale, m, v, small, coefficient, beta2, one_minus_beta2);
     }
 }
 
