@@ -87,7 +87,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
         grpo.rollout = coin_rewards(grpo.rollout)
     if args.allocator == "default":
         grpo.reuse_freed_memory = contextlib.nullcontext
-        os.environ.update(malloc_environment(GLIBC_DEFAULTS))  # the engine's processes too
+        os.environ.update(malloc_environment(GLIBC_DEFAULTS) | {"GLIBC_TUNABLES": ""})  # the engine's processes too
     cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
                           eval_every=10**9, checkpoint_every=10**9)

@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
-                             environment_of, guest_call, multiprocess, restore_environment)
+                             environment_of, guest_call, multiprocess, pack_tensor, remove_orphaned_weights,
+                             restore_environment, unpack_tensor, write_safetensors)
 from .machine import trim_freed_memory
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
@@ -127,48 +128,14 @@ class Scores:
     full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
 
 
-def remove_orphaned_weights(base) -> None:
-    """Delete the weight folders of processes that no longer exist (killed before `close`): in /dev/shm they hold
-    RAM that nothing else would free."""
-    if not Path("/proc/self").exists():  # no way to tell a live process from a dead one
-        return
-    for folder in Path(base or tempfile.gettempdir()).glob("rla-weights-*-*"):
-        pid = folder.name.split("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-
-
-def write_safetensors(state: dict[str, torch.Tensor], path: str) -> None:
-    """`state` (contiguous CPU tensors) as a safetensors file, written straight from the tensors' memory. A file of
-    the same size (the last push's) is overwritten in place: its RAM-backed pages are reused, not freed and faulted
-    in again. Several times faster than safetensors' save_file, which copies to a buffer first."""
-    header, offset = {}, 0
-    for name, t in state.items():
-        size = t.numel() * t.element_size()
-        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + size])
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes
-    same_size = os.path.exists(path) and os.path.getsize(path) == 8 + len(encoded) + offset
-    with open(path, "r+b" if same_size else "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little") + encoded)
-        for t in state.values():
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-
-
-def pack_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
-    """A tensor as (dtype, shape, raw bytes): what crosses vLLM's `collective_rpc` intact (its msgpack
-    return path gives tensors back as plain lists). BF16 travels as its 16-bit patterns."""
-    t = t.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()
-
-
-def unpack_tensor(packed) -> torch.Tensor:
-    dtype, shape, raw = packed
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+def engine_cores() -> set[int]:
+    """The cores of an engine's processes: its worker's and its parent's (the engine core, bound to the other core
+    vLLM reserves for it)."""
+    cores = os.sched_getaffinity(0)
+    try:
+        return cores | os.sched_getaffinity(os.getppid())
+    except OSError:
+        return cores
 
 
 class WorkerExtension:
@@ -183,6 +150,35 @@ class WorkerExtension:
         head = getattr(self.model_runner.get_model(), "lm_head", None)
         if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
+
+    def reload_weights_on_every_core(self, tied_lm_head: bool, **reload) -> None:
+        """vLLM's `reload_weights(**reload)` (and `refresh_tied_lm_head` if the head is tied) with this process's threads
+        on every core the engine was given: vLLM binds a one-worker engine's compute threads to one core
+        (GOMP_CPU_AFFINITY), where its re-packing of every linear layer runs alone while the trainer waits for it.
+        Thread count and bindings are put back after, so sampling runs as before; re-packing moves values, no
+        arithmetic."""
+        def tasks():
+            return [int(task) for task in os.listdir("/proc/self/task")]
+
+        bindings, threads = {task: os.sched_getaffinity(task) for task in tasks()}, torch.get_num_threads()
+        cores = engine_cores()
+        try:
+            torch._C.set_num_threads(len(cores))  # vLLM's worker replaces torch.set_num_threads with a no-op
+            torch.ones(1 << 20).add_(1)  # a parallel region: OpenMP starts the threads, bound to vLLM's one core
+            for task in tasks():
+                os.sched_setaffinity(task, cores)
+            self.reload_weights(**reload)
+            if tied_lm_head:
+                self.refresh_tied_lm_head()
+        finally:
+            torch._C.set_num_threads(threads)
+            for task in tasks():
+                os.sched_setaffinity(task, bindings.get(task, bindings[threading.get_native_id()]))
+
+    def compute_threads(self) -> tuple[int, list[list[int]]]:
+        """This process's torch thread count and the sets of cores its threads are bound to (the bindings vLLM set)."""
+        return torch.get_num_threads(), sorted(map(list, {tuple(sorted(os.sched_getaffinity(int(task))))
+                                                          for task in os.listdir("/proc/self/task")}))
 
     def trim_freed_memory(self) -> None:
         """Bound the freed memory this process keeps for the next push (rla_lib.machine.trim_freed_memory); a push
@@ -502,9 +498,8 @@ class Engine:
             remove_orphaned_weights(base)
             self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
         write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"))
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_path=self._weights_dir, is_checkpoint_format=True))
-        if self.spec.tie_word_embeddings:
-            self.llm.collective_rpc("refresh_tied_lm_head")
+        self.llm.collective_rpc("reload_weights_on_every_core", kwargs=dict(
+            tied_lm_head=self.spec.tie_word_embeddings, weights_path=self._weights_dir, is_checkpoint_format=True))
         self.llm.collective_rpc("trim_freed_memory")  # its processes keep freed memory for the next push, up to a bound
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
 

@@ -141,9 +141,13 @@ def clipped_loss(new_lp, old_lp, advantages, mask, clip: float, tis_weight=None)
 def clip_coefficient(grads, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(total norm, clip coefficient) of torch.nn.utils.clip_grad_norm_ for the FP32 values of `grads`, bit for bit: each
     tensor's 2-norm accumulated in FP32 (vector_norm of a BF16 tensor with dtype=float32 gives the bits of its FP32
-    copy's, tested), the norm of those norms, then min(max_norm / (norm + 1e-6), 1)."""
-    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads if g is not None]
-    total = torch.linalg.vector_norm(torch.stack(norms), 2)
+    copy's, tested; native.bf16_norms gives them without the copy), the norm of those norms, then
+    min(max_norm / (norm + 1e-6), 1)."""
+    grads = [g for g in grads if g is not None]
+    norms = native.bf16_norms(grads)
+    if norms is None:
+        norms = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads])
+    total = torch.linalg.vector_norm(norms, 2)
     return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
@@ -201,11 +205,12 @@ class Policy:
         self.compute.zero_grad(set_to_none=True)
         loss.backward()
         # The master takes the BF16 gradients as they are (FP32 copies of them would hold the same values):
-        # torch's clip_grad_norm_ and AdamW arithmetic on those values, without the copies (native.AdamW)
-        grads = [c.grad for c in self.compute.parameters()]
+        # torch's clip_grad_norm_ and AdamW arithmetic on those values, without the copies (native.AdamW), and the
+        # BF16 copy is refreshed in the same pass (the bits of refresh_compute)
+        compute = list(self.compute.parameters())
+        grads = [c.grad for c in compute]
         grad_norm, clip = clip_coefficient(grads, self.cfg.max_grad_norm)
-        self.opt.step_with_grads(grads, clip)
-        self.refresh_compute()
+        self.opt.step_with_grads(grads, clip, copies=compute)
         return grad_norm.item()
 
 

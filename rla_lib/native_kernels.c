@@ -456,8 +456,9 @@ void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int
 }
 
 /* One AdamW step over [begin, end) of contiguous FP32 tensors, element by element as torch's for-loop AdamW computes it
- * (torch.optim.adam._single_tensor_adam, its CPU kernels' arithmetic), in two passes around torch's own sqrt (its
- * vectorised sqrt is not the correctly rounded one: the caller runs that very op between the passes).
+ * (torch.optim.adam._single_tensor_adam, its CPU kernels' arithmetic), around torch's own sqrt (its vectorised sqrt
+ * is not the correctly rounded one): in one pass calling that very function (adamw_step), else in two passes with
+ * the caller running torch.sqrt between them.
  * Moments: lerp_ (torch's kernel fuses it: one fmaf), mul_ then addcmul_ (value·g, then a fused multiply-add). */
 static inline void moments_at(int64_t i, float grad, float *m, float *v, int small, float coefficient, float beta2,
                               float one_minus_beta2) {
@@ -487,10 +488,92 @@ void adamw_moments_bf16(const uint16_t *g, float scale, float *m, float *v, int6
 
 /* Then the parameters from the moments and root = sqrt(v): (root / bias correction) + eps, then addcdiv_
  * ((value·m) / denominator, then added). `decay` is 1 - lr·weight_decay (1: none, no multiply), applied first. */
+static inline float parameter_at(float p, float m, float root, float decay, float bias_correction2_sqrt, float eps,
+                                 float neg_step_size) {
+    const float param = decay == 1.0f ? p : p * decay;
+    return param + neg_step_size * m / (root / bias_correction2_sqrt + eps);
+}
+
 void adamw_parameters(float *p, const float *m, const float *root, int64_t begin, int64_t end, float decay,
                       float bias_correction2_sqrt, float eps, float neg_step_size) {
-    for (int64_t i = begin; i < end; i++) {
-        const float param = decay == 1.0f ? p[i] : p[i] * decay;
-        p[i] = param + neg_step_size * m[i] / (root[i] / bias_correction2_sqrt + eps);
+    for (int64_t i = begin; i < end; i++)
+        p[i] = parameter_at(p[i], m[i], root[i], decay, bias_correction2_sqrt, eps, neg_step_size);
+}
+
+/* FP32 to BF16 as torch's vectorised copy rounds it: to nearest even, a NaN to 0xFFFF. */
+static inline uint16_t bf16_nearest_even(float x) {
+    union { float f; uint32_t u; } v = {x};
+    return x != x ? 0xFFFFu : (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* torch's FP32 sqrt where it is MKL's: vmsSqrt(n, a, r, mode), taken from torch's own library (native.py checks its
+ * bits against torch.sqrt before passing it), with MKL_Set_Num_Threads_Local: called from a thread of ours, MKL may
+ * otherwise start threads of its own for each block (it did once a vLLM engine had started: 5x slower). */
+typedef void (*vml_sqrt_fn)(int n, const float *a, float *r, long long mode);
+typedef int (*mkl_threads_fn)(int threads);
+enum { ADAMW_BLOCK = 2048 };  /* floats of a block's sqrt: the block stays in L1 between its three steps */
+
+/* The whole step over [begin, end) in one pass over memory, a block at a time: the moments (as adamw_moments, from
+ * FP32 gradients, or from BF16 ones times `scale` as adamw_moments_bf16), torch's sqrt of the block's second moments,
+ * the parameters (as adamw_parameters) and, if `copy` is given, their BF16 rounding into it (the compute copy). */
+void adamw_step(const void *g, int grad_is_bf16, float scale, float *p, float *m, float *v, uint16_t *copy,
+                int64_t begin, int64_t end, float lerp_weight, float beta2, float one_minus_beta2, float decay,
+                float bias_correction2_sqrt, float eps, float neg_step_size, vml_sqrt_fn vml_sqrt, long long mode,
+                mkl_threads_fn mkl_threads_local) {
+    const int threads_before = mkl_threads_local(1);
+    float root[ADAMW_BLOCK];
+    for (int64_t b = begin; b < end; b += ADAMW_BLOCK) {
+        const int64_t e = end - b < ADAMW_BLOCK ? end : b + ADAMW_BLOCK;
+        if (grad_is_bf16)
+            adamw_moments_bf16((const uint16_t *)g, scale, m, v, b, e, lerp_weight, beta2, one_minus_beta2);
+        else
+            adamw_moments((const float *)g, m, v, b, e, lerp_weight, beta2, one_minus_beta2);
+        vml_sqrt((int)(e - b), v + b, root, mode);
+        for (int64_t i = b; i < e; i++)
+            p[i] = parameter_at(p[i], m[i], root[i - b], decay, bias_correction2_sqrt, eps, neg_step_size);
+        if (copy)
+            for (int64_t i = b; i < e; i++)
+                copy[i] = bf16_nearest_even(p[i]);
     }
+    mkl_threads_local(threads_before);
+}
+
+/* The 2-norm of BF16 values widened to FP32, in the order of torch's 2-norm of a contiguous FP32 tensor (ATen's norm
+ * kernel, its vectorised path over the last dimension): `lanes` running sums over the whole vectors, each adding x·x
+ * (rounded, then added), the lanes then added to the first in order, the tail's squares after, then sqrt; one value's
+ * norm is its magnitude. A BF16 value's square is exact unless it is subnormal, and there the tail's order shows: as
+ * torch's build compiled it (`tail`: TAIL_ROUNDED, TAIL_FUSED, or TAIL_FOURS: squares rounded four at a time and added
+ * in order, the last few fused into multiply-adds). native.py finds lanes and tail by comparing with torch. */
+enum { TAIL_ROUNDED = 0, TAIL_FUSED = 1, TAIL_FOURS = 2 };
+
+static inline float bf16_value(uint16_t bits) {
+    union { uint32_t u; float f; } v = {(uint32_t)bits << 16};  /* BF16 -> FP32 is exact */
+    return v.f;
+}
+
+static inline float bf16_norm_in_order(const uint16_t *x, int64_t n, const int lanes, int tail) {
+    if (n == 1)
+        return fabsf(bf16_value(x[0]));
+    float acc[16] = {0};
+    int64_t d = 0;
+    for (; d + lanes <= n; d += lanes)
+        for (int j = 0; j < lanes; j++)
+            acc[j] = acc[j] + bf16_value(x[d + j]) * bf16_value(x[d + j]);
+    float sum = acc[0];
+    for (int j = 1; j < lanes; j++)
+        sum = sum + acc[j];
+    const int64_t rounded = tail == TAIL_ROUNDED ? n : tail == TAIL_FUSED ? d : d + (n - d) / 4 * 4;
+    for (; d < rounded; d++)
+        sum = sum + bf16_value(x[d]) * bf16_value(x[d]);
+    for (; d < n; d++)
+        sum = fmaf(bf16_value(x[d]), bf16_value(x[d]), sum);
+    return sqrtf(sum);
+}
+
+float bf16_norm(const uint16_t *x, int64_t n, int64_t lanes, int64_t tail) {
+    if (lanes == 16)
+        return bf16_norm_in_order(x, n, 16, (int)tail);
+    if (lanes == 8)
+        return bf16_norm_in_order(x, n, 8, (int)tail);
+    return NAN;
 }

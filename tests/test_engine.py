@@ -133,6 +133,7 @@ def test_load_weights_in_place(compiled_engine):
     model = load_model("qwen3-tiny")
     ids = [s.ids for g in compiled_engine.sample(PROMPTS[:3], n=2, max_tokens=16, seed=2) for s in g]
     before = [s.token_logprobs for s in compiled_engine.score(ids)]
+    threads = compiled_engine.llm.collective_rpc("compute_threads")
     with torch.no_grad():
         perturbed = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
     try:
@@ -144,6 +145,8 @@ def test_load_weights_in_place(compiled_engine):
     restored = [s.token_logprobs for s in compiled_engine.score(ids)]
     for a, b in zip(before, restored):
         np.testing.assert_array_equal(a, b)  # bitwise back: the push is exact, the prefix cache was reset
+    # the push re-packs on every core, then gives vLLM's worker its thread count and bindings back
+    assert compiled_engine.llm.collective_rpc("compute_threads") == threads
 
 
 def test_bad_token_ids_are_refused(compiled_engine):

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rla_lib import grpo, machine, task
+from rla_lib import grpo, machine, native, task
 from rla_lib.studies import arms
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.scoring import pad_batch
@@ -130,12 +130,18 @@ def test_fast_step_equals_reference_bitwise(compiled_engine, tmp_path, monkeypat
     assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in ("exp_avg", "exp_avg_sq"))
 
 
-def test_clip_coefficient_is_clip_grad_norms_on_fp32_copies_bit_for_bit():
+@pytest.mark.parametrize("norms", ["native", "torch"])
+def test_clip_coefficient_is_clip_grad_norms_on_fp32_copies_bit_for_bit(norms, monkeypatch):
     """grpo.clip_coefficient on BF16 gradients: torch's clip_grad_norm_ on their FP32 copies, the norm and each clipped
-    gradient bit for bit (sizes below and above torch's thread grain, one parameter without a gradient)."""
+    gradient bit for bit (sizes below and above torch's thread grain, one parameter without a gradient, magnitudes
+    down to those whose squares round), with each tensor's norm from native.bf16_norms or from torch."""
+    if norms == "torch":
+        monkeypatch.setattr(native, "torch_norm_order", lambda: None)
+    else:
+        assert native.torch_norm_order() is not None or native.library() is None  # the path that runs here
     g = torch.Generator().manual_seed(2)
     shapes = [(5,), (151, 1024), (1,), (2_000_003,), (33, 7)]
-    grads = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-8, 0, s, generator=g).float()).bfloat16()
+    grads = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-24, 0, s, generator=g).float()).bfloat16()
              for s in shapes]
     grads[2] = None
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]

@@ -186,9 +186,24 @@ def adamw_histories(make, betas, weight_decay, steps=4):
     return params, opt
 
 
+@pytest.fixture(params=["one pass", "two passes"])
+def adamw_passes(request, monkeypatch):
+    """AdamW's step in one pass calling torch's sqrt from C, or in two around torch.sqrt (where torch's sqrt is not
+    MKL's, `native.torch_sqrt_kernel`)."""
+    if request.param == "two passes":
+        monkeypatch.setattr(native, "torch_sqrt_kernel", lambda: None)
+    return request.param
+
+
+def test_torchs_sqrt_is_found_where_torch_has_mkl():
+    """The one-pass step is the one that runs here (torch's FP32 sqrt is MKL's on x86 builds)."""
+    assert (native.torch_sqrt_kernel() is not None) == (torch.backends.mkl.is_available() and
+                                                        native.library() is not None)
+
+
 @pytest.mark.parametrize("betas, weight_decay", [((0.9, 0.999), 0.0), ((0.9, 0.95), 0.1), ((0.3, 0.99), 0.0)],
                          ids=["grpo", "weight-decay", "lerp-large-weight"])
-def test_adamw_gives_torchs_for_loop_bits(betas, weight_decay):
+def test_adamw_gives_torchs_for_loop_bits(betas, weight_decay, adamw_passes):
     """Every parameter and moment bit for bit as torch's for-loop AdamW. Both lerp branches (weight 1-beta1 below and
     above 0.5); a test that can fail: torch's fused AdamW rounds differently (checked below)."""
     fast, fast_opt = adamw_histories(native.AdamW, betas, weight_decay)
@@ -222,27 +237,31 @@ def test_adamw_state_loads_into_torchs_and_back():
 
 
 @pytest.mark.parametrize("clip, kernels", [(0.37, "native"), (1.0, "native"), (0.37, "torch ops")])
-def test_adamw_step_with_bf16_grads_is_their_fp32_copies_clipped_then_stepped(clip, kernels, monkeypatch):
-    """step_with_grads(BF16 gradients, clip coefficient) gives the bits of torch's for-loop AdamW after copying them into
-    FP32 gradients and multiplying those by the coefficient (grpo.Policy's earlier step), over steps where one
-    gradient is missing; without the compiled kernels, the torch ops it stands for run."""
+def test_adamw_step_with_bf16_grads_is_their_fp32_copies_clipped_then_stepped(clip, kernels, adamw_passes, monkeypatch):
+    """step_with_grads(BF16 gradients, clip coefficient, BF16 copies) gives the bits of torch's for-loop AdamW after
+    copying them into FP32 gradients and multiplying those by the coefficient (grpo.Policy's earlier step), then of
+    copying the parameters into the BF16 copies, over steps where one gradient is missing; without the compiled
+    kernels, the torch ops it stands for run."""
     if kernels == "torch ops":
         monkeypatch.setattr(native, "library", lambda: None)
     g = torch.Generator().manual_seed(1)
     shapes = [(7, 33), (1,), (300_007,), (64, 1024), (3,)]
     start = [torch.randn(s, generator=g) * 0.02 for s in shapes]
     fast, loop = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    copies = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
     fast_opt, loop_opt = native.AdamW(fast, lr=3e-3), torch.optim.AdamW(loop, lr=3e-3, foreach=False)
     coefficient = torch.tensor(clip, dtype=torch.float32)
     for step in range(4):
         grads = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 1, s, generator=g).float()).bfloat16()
                  for s in shapes]
         grads[1] = None if step == 2 else grads[1]
-        fast_opt.step_with_grads(grads, coefficient)
+        fast_opt.step_with_grads(grads, coefficient, copies=copies)
         for p, grad in zip(loop, grads):
             p.grad = None if grad is None else grad.float()
         torch._foreach_mul_([p.grad for p in loop if p.grad is not None], coefficient)
         loop_opt.step()
+        assert all(torch.equal(c.view(torch.int16), p.detach().bfloat16().view(torch.int16))
+                   for c, p in zip(copies, loop))
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(fast, loop))
     for a, b in zip(fast_opt.state.values(), loop_opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
@@ -254,3 +273,22 @@ def test_adamw_step_with_grads_refuses_a_list_of_the_wrong_length():
     opt = native.AdamW([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     with pytest.raises(ValueError, match="one gradient .or None. per parameter: 2, got 1"):
         opt.step_with_grads([torch.zeros(3).bfloat16()], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="one copy per parameter: 2, got 1"):
+        opt.step_with_grads([None, None], torch.tensor(1.0), copies=[torch.zeros(3).bfloat16()])
+
+
+def test_bf16_norms_are_torchs_vector_norms_bit_for_bit():
+    """Each BF16 tensor's FP32 2-norm as torch.linalg.vector_norm(t, 2, dtype=torch.float32) gives it, over lengths
+    with and without a tail of the lanes and magnitudes down to those whose squares round (a seed other than the
+    probe's); tensors it does not cover give None (the caller runs torch)."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(low, high, (n,), generator=g).double()).bfloat16()
+               for n in (1, 3, 8, 9, 13, 24, 30, 47, 1025, 300_007) for low, high in ((-30, 5), (-24, -18))]
+    tensors.append(torch.zeros(40, dtype=torch.bfloat16))
+    norms = native.bf16_norms(tensors)
+    assert norms is not None or native.library() is None
+    if norms is not None:
+        expected = torch.stack([torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors])
+        assert torch.equal(norms.view(torch.int32), expected.view(torch.int32))
+    assert native.bf16_norms([torch.ones(3)]) is None  # FP32
+    assert native.bf16_norms([torch.ones(4, 4, dtype=torch.bfloat16).T[:, :2]]) is None  # not contiguous
