@@ -1,9 +1,10 @@
 """The kernel-order loops of `vector_sums.square_sum`, `attention.vllm_cpu_attention` and torch's BF16 dot-product GEMM
 (`machine.torch_bf16_linear`) in C (native_kernels.c), for speed: the torch-op versions take a Python loop of small
 tensor ops per element of the sum (+400% on a forward+backward at 8 layers, `benchmarks/align_overhead.py`); torch's
-own BF16 GEMM without BF16 instructions runs at a third of the FP32 library's rate. And torch's for-loop AdamW
-(`AdamW`, the GRPO optimizer) in three passes over memory instead of seven. Same operations in the same order, so the
-same bits (tests/test_native.py).
+own BF16 GEMM without BF16 instructions runs at a third of the FP32 library's rate. And the GRPO update's memory-bound
+parts: torch's for-loop AdamW (`AdamW`) in one pass over memory instead of seven, and torch's 2-norm of BF16 gradients
+(`bf16_norms`, the clip's) without FP32 copies of them. Same operations in the same order, so the same bits
+(tests/test_native.py).
 
 Compiled once per machine with the system C compiler into `.cache/native/` (about a second). Where there is none or
 the build fails (a warning says so), or with `RLA_NATIVE=0`, `library()` is None and the callers run their torch-op
@@ -228,7 +229,7 @@ def torch_norm_order() -> tuple[int, int] | None:
         return None
     g = torch.Generator().manual_seed(0)
     probes = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(low, high, (n,), generator=g).double()).bfloat16()
-              for n in [*range(1, 81), 1021, 65_539] for low, high in ((-30, 4), (-24, -18), (-24, -18))]
+              for n in [*range(1, 81), 1021, 65_539] for low, high in ((-30, 4), (-24, -18), (-24, -18))]  # tiny twice
     torchs = [torch.linalg.vector_norm(x, 2, dtype=torch.float32).view(torch.int32).item() for x in probes]
     for lanes, tail in NORM_ORDERS:
         if all(torch.tensor(lib.bf16_norm(x.data_ptr(), x.numel(), lanes, tail)).view(torch.int32).item() == expected
