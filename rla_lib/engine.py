@@ -49,7 +49,7 @@ import torch
 from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
                              environment_of, guest_call, multiprocess, pack_tensor, remove_orphaned_weights,
                              restore_environment, unpack_tensor, write_safetensors)
-from .machine import trim_freed_memory
+from .machine import trim_freed_memory, usable_cores
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
 from .scoring import log_softmax_at
@@ -128,16 +128,6 @@ class Scores:
     full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
 
 
-def engine_cores() -> set[int]:
-    """The cores of an engine's processes: its worker's and its parent's (the engine core, bound to the other core
-    vLLM reserves for it)."""
-    cores = os.sched_getaffinity(0)
-    try:
-        return cores | os.sched_getaffinity(os.getppid())
-    except OSError:
-        return cores
-
-
 class WorkerExtension:
     """Methods added to vLLM's worker (`LLM(worker_extension_cls=...)`), called by `collective_rpc`."""
 
@@ -151,25 +141,28 @@ class WorkerExtension:
         if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
 
-    def reload_weights_on_every_core(self, tied_lm_head: bool, **reload) -> None:
+    def reload_weights_on_cores(self, cores: list[int] | None, tied_lm_head: bool, **reload) -> None:
         """vLLM's `reload_weights(**reload)` (and `refresh_tied_lm_head` if the head is tied) with this process's threads
-        on every core the engine was given: vLLM binds a one-worker engine's compute threads to one core
+        on `cores` (None: as they are): vLLM binds a one-worker engine's compute threads to one core
         (GOMP_CPU_AFFINITY), where its re-packing of every linear layer runs alone while the trainer waits for it.
         Thread count and bindings are put back after, so sampling runs as before; re-packing moves values, no
         arithmetic."""
+        if cores is None:
+            self.reload_weights(**reload)
+            if tied_lm_head:
+                self.refresh_tied_lm_head()
+            return
+
         def tasks():
             return [int(task) for task in os.listdir("/proc/self/task")]
 
         bindings, threads = {task: os.sched_getaffinity(task) for task in tasks()}, torch.get_num_threads()
-        cores = engine_cores()
         try:
             torch._C.set_num_threads(len(cores))  # vLLM's worker replaces torch.set_num_threads with a no-op
             torch.ones(1 << 20).add_(1)  # a parallel region: OpenMP starts the threads, bound to vLLM's one core
             for task in tasks():
                 os.sched_setaffinity(task, cores)
-            self.reload_weights(**reload)
-            if tied_lm_head:
-                self.refresh_tied_lm_head()
+            self.reload_weights_on_cores(None, tied_lm_head, **reload)
         finally:
             torch._C.set_num_threads(threads)
             for task in tasks():
@@ -498,8 +491,10 @@ class Engine:
             remove_orphaned_weights(base)
             self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
         write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"))
-        self.llm.collective_rpc("reload_weights_on_every_core", kwargs=dict(
-            tied_lm_head=self.spec.tie_word_embeddings, weights_path=self._weights_dir, is_checkpoint_format=True))
+        # an engine in processes of its own re-packs on every core this process may use (it waits meanwhile)
+        self.llm.collective_rpc("reload_weights_on_cores", kwargs=dict(
+            cores=None if self._in_process else usable_cores(), tied_lm_head=self.spec.tie_word_embeddings,
+            weights_path=self._weights_dir, is_checkpoint_format=True))
         self.llm.collective_rpc("trim_freed_memory")  # its processes keep freed memory for the next push, up to a bound
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
 
