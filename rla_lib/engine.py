@@ -153,20 +153,24 @@ class WorkerExtension:
                 self.refresh_tied_lm_head()
             return
 
-        def tasks():
-            return [int(task) for task in os.listdir("/proc/self/task")]
+        def each_thread(call) -> None:  # each thread of this process; one that has just ended is skipped
+            for task in map(int, os.listdir("/proc/self/task")):
+                try:
+                    call(task)
+                except ProcessLookupError:
+                    pass
 
-        bindings, threads = {task: os.sched_getaffinity(task) for task in tasks()}, torch.get_num_threads()
+        here, bindings, threads = threading.get_native_id(), {}, torch.get_num_threads()
+        each_thread(lambda task: bindings.update({task: os.sched_getaffinity(task)}))
         try:
             torch._C.set_num_threads(len(cores))  # vLLM's worker replaces torch.set_num_threads with a no-op
             torch.ones(1 << 20).add_(1)  # a parallel region: OpenMP starts the threads, bound to vLLM's one core
-            for task in tasks():
-                os.sched_setaffinity(task, cores)
+            each_thread(lambda task: os.sched_setaffinity(task, cores))
             self.reload_weights_on_cores(None, tied_lm_head, **reload)
         finally:
             torch._C.set_num_threads(threads)
-            for task in tasks():
-                os.sched_setaffinity(task, bindings.get(task, bindings[threading.get_native_id()]))
+            # a thread started meanwhile (OpenMP's) gets this one's binding
+            each_thread(lambda task: os.sched_setaffinity(task, bindings.get(task, bindings[here])))
 
     def compute_threads(self) -> tuple[int, list[list[int]]]:
         """This process's torch thread count and the sets of cores its threads are bound to (the bindings vLLM set)."""
