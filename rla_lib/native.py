@@ -261,13 +261,13 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     even, as `copy.copy_(param)` rounds them. Where torch's sqrt cannot be called from C (`torch_sqrt_kernel`), two
     passes around torch.sqrt, which writes into `root` (FP32, as large as `param`; fresh if None)."""
     lib, n, grain = library(), param.numel(), 1 << 18  # below a grain, a thread costs more than it saves
-    scalars = (lerp_weight, beta2, one_minus_beta2)
-    if torch_sqrt_kernel() is not None:
+    scalars, sqrt_kernel = (lerp_weight, beta2, one_minus_beta2), torch_sqrt_kernel()
+    if sqrt_kernel is not None:
+        vml_sqrt, mkl_threads_local = sqrt_kernel
         _parallel(n, lambda begin, end: lib.adamw_step(
             grad.data_ptr(), grad.dtype == torch.bfloat16, grad_scale, param.data_ptr(), exp_avg.data_ptr(),
             exp_avg_sq.data_ptr(), None if copy is None else copy.data_ptr(), begin, end, *scalars, decay,
-            bias_correction2_sqrt, eps, neg_step_size, torch_sqrt_kernel()[0], TORCH_VML_MODE, torch_sqrt_kernel()[1]),
-            grain)
+            bias_correction2_sqrt, eps, neg_step_size, vml_sqrt, TORCH_VML_MODE, mkl_threads_local), grain)
         return
     if grad.dtype == torch.bfloat16:  # a BF16 gradient times `grad_scale`, as if copied to FP32 and clipped first
         _parallel(n, lambda begin, end: lib.adamw_moments_bf16(grad.data_ptr(), grad_scale, exp_avg.data_ptr(),

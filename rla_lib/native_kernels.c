@@ -8,6 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+static inline float bf16_value(uint16_t bits) {
+    union { uint32_t u; float f; } v = {(uint32_t)bits << 16};  /* BF16 -> FP32 is exact */
+    return v.f;
+}
+
 /* One vector register of W floats, its exact fused multiply-add (a·b + c rounded once, per lane) and its multiply
  * then add (a·b rounded, then the sum rounded: -ffp-contract=off keeps them apart). */
 #if defined(__AVX512F__)
@@ -449,8 +454,7 @@ void pack_dot_operand(const uint16_t *a, int64_t n, int64_t K, int64_t tile, int
                 float *to = packed + ((t * DOT_STEP + s) * steps + i) * tile;
                 for (int64_t j = 0; j < tile; j++) {
                     const int64_t row = t * tile + j;
-                    union { uint32_t u; float f; } v = {row < n ? (uint32_t)a[row * K + i * DOT_STEP + s] << 16 : 0u};
-                    to[j] = v.f;
+                    to[j] = row < n ? bf16_value(a[row * K + i * DOT_STEP + s]) : 0.0f;
                 }
             }
 }
@@ -481,8 +485,7 @@ void adamw_moments_bf16(const uint16_t *g, float scale, float *m, float *v, int6
     const int small = fabsf(lerp_weight) < 0.5f;
     const float coefficient = small ? lerp_weight : lerp_weight - 1.0f;
     for (int64_t i = begin; i < end; i++) {
-        union { uint32_t u; float f; } widened = {(uint32_t)g[i] << 16};  /* BF16 -> FP32 is exact */
-        moments_at(i, widened.f * scale, m, v, small, coefficient, beta2, one_minus_beta2);
+        moments_at(i, bf16_value(g[i]) * scale, m, v, small, coefficient, beta2, one_minus_beta2);
     }
 }
 
@@ -545,11 +548,6 @@ void adamw_step(const void *g, int grad_is_bf16, float scale, float *p, float *m
  * torch's build compiled it (`tail`: TAIL_ROUNDED, TAIL_FUSED, or TAIL_FOURS: squares rounded four at a time and added
  * in order, the last few fused into multiply-adds). native.py finds lanes and tail by comparing with torch. */
 enum { TAIL_ROUNDED = 0, TAIL_FUSED = 1, TAIL_FOURS = 2 };
-
-static inline float bf16_value(uint16_t bits) {
-    union { uint32_t u; float f; } v = {(uint32_t)bits << 16};  /* BF16 -> FP32 is exact */
-    return v.f;
-}
 
 static inline float bf16_norm_in_order(const uint16_t *x, int64_t n, const int lanes, int tail) {
     if (n == 1)
