@@ -46,9 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, as_a_guest, engine_environment, engine_settings,
-                             environment_of, guest_call, multiprocess, pack_tensor, remove_orphaned_weights,
-                             restore_environment, unpack_tensor, write_safetensors)
+from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, MappedWeights, as_a_guest, engine_environment,
+                             engine_settings, environment_of, guest_call, input_embedding_reloaded_in_place, multiprocess,
+                             pack_tensor, remove_orphaned_weights, restore_environment, unpack_tensor, write_safetensors)
 from .machine import trim_freed_memory, usable_cores
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
@@ -139,16 +139,21 @@ class WorkerExtension:
 
         head = getattr(self.model_runner.get_model(), "lm_head", None)
         if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
+            # the old packed copy is freed before the new one is made: glibc (before 2.38) reuses a freed block for
+            # an aligned one of its size only when it merges with free memory next to it; made after, the new copy
+            # grew the process every few pushes, each growth faulting its pages in (0.3 s at the 0.6B shape)
+            head.__dict__.pop("cpu_linear", None)
             head.quant_method.process_weights_after_loading(head)
 
-    def reload_weights_on_cores(self, cores: list[int] | None, tied_lm_head: bool, **reload) -> None:
-        """vLLM's `reload_weights(**reload)` (and `refresh_tied_lm_head` if the head is tied) with this process's threads
+    def reload_weights_on_cores(self, cores: list[int] | None, tied_lm_head: bool, weights_file: str) -> None:
+        """vLLM's `reload_weights` from the pushed `weights_file` (and `refresh_tied_lm_head` if the head is tied) with this process's threads
         on `cores` (None: as they are): vLLM binds a one-worker engine's compute threads to one core
         (GOMP_CPU_AFFINITY), where its re-packing of every linear layer runs alone while the trainer waits for it.
         Thread count and bindings are put back after, so sampling runs as before; re-packing moves values, no
         arithmetic."""
         if cores is None:
-            self.reload_weights(**reload)
+            with input_embedding_reloaded_in_place(self.model_runner.get_model()):
+                self.reload_weights(weights_iterator=self.pushed_weights().tensors(weights_file), is_checkpoint_format=True)
             if tied_lm_head:
                 self.refresh_tied_lm_head()
             return
@@ -166,11 +171,21 @@ class WorkerExtension:
             torch._C.set_num_threads(len(cores))  # vLLM's worker replaces torch.set_num_threads with a no-op
             torch.ones(1 << 20).add_(1)  # a parallel region: OpenMP starts the threads, bound to vLLM's one core
             each_thread(lambda task: os.sched_setaffinity(task, cores))
-            self.reload_weights_on_cores(None, tied_lm_head, **reload)
+            self.reload_weights_on_cores(None, tied_lm_head, weights_file)
         finally:
             torch._C.set_num_threads(threads)
             # a thread started meanwhile (OpenMP's) gets this one's binding
             each_thread(lambda task: os.sched_setaffinity(task, bindings.get(task, bindings[here])))
+
+    def weight_rows(self, name: str, rows: list[int]):
+        """Rows of one of vLLM's parameters as it holds them (vLLM's names: `model.embed_tokens.weight`), packed."""
+        return pack_tensor(self.model_runner.get_model().get_parameter(name)[rows])
+
+    def pushed_weights(self) -> MappedWeights:
+        """This worker's mapping of the pushed weights' file, kept from push to push."""
+        if not hasattr(self, "rla_pushed_weights"):
+            self.rla_pushed_weights = MappedWeights()
+        return self.rla_pushed_weights
 
     def compute_threads(self) -> tuple[int, list[list[int]]]:
         """This process's torch thread count and the sets of cores its threads are bound to (the bindings vLLM set)."""
@@ -309,7 +324,7 @@ class Engine:
         if self._in_process:
             _HERE.add(self)
         self.tokenizer = self.llm.get_tokenizer()
-        self._weights_dir = None
+        self._weights_dir = self._pushed = None
 
     def _start_llm(self, vllm, seed, budget, llm_kwargs):
         return vllm.LLM(
@@ -494,11 +509,12 @@ class Engine:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             remove_orphaned_weights(base)
             self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
-        write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"))
+            self._pushed = MappedWeights()  # this process's mapping of the file, kept from push to push
+        write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"), self._pushed)
         # an engine in processes of its own re-packs on every core this process may use (it waits meanwhile)
         self.llm.collective_rpc("reload_weights_on_cores", kwargs=dict(
             cores=None if self._in_process else usable_cores(), tied_lm_head=self.spec.tie_word_embeddings,
-            weights_path=self._weights_dir, is_checkpoint_format=True))
+            weights_file=os.path.join(self._weights_dir, "model.safetensors")))
         self.llm.collective_rpc("trim_freed_memory")  # its processes keep freed memory for the next push, up to a bound
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
 
@@ -615,7 +631,7 @@ class Engine:
                 _CLOSING.append(thread)
         if self._weights_dir:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
-            self._weights_dir = None
+            self._weights_dir = self._pushed = None  # the mapping held the removed file's memory
 
     def __enter__(self):
         return self

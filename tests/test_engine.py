@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rla_lib import machine, task
+from rla_lib.engine_process import unpack_tensor
 from rla_lib.models import load_model
 from rla_lib.paths import ROOT
 from rla_lib.scoring import token_logprobs
@@ -136,15 +137,22 @@ def test_load_weights_in_place(compiled_engine):
     threads = compiled_engine.llm.collective_rpc("compute_threads")
     with torch.no_grad():
         perturbed = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    rows = [0, 3, 9, 15]  # the input embedding is reloaded in its own memory (not vLLM's way): it holds the pushes
+
+    def held():
+        return unpack_tensor(compiled_engine.llm.collective_rpc("weight_rows", args=("model.embed_tokens.weight", rows))[0])
+
     try:
         compiled_engine.load_weights(perturbed)
         changed = [s.token_logprobs for s in compiled_engine.score(ids)]
         assert any(not np.array_equal(a, b) for a, b in zip(before, changed))
+        assert torch.equal(held(), perturbed["model.embed_tokens.weight"][rows].to(torch.bfloat16))
     finally:
         compiled_engine.load_weights(model)
     restored = [s.token_logprobs for s in compiled_engine.score(ids)]
     for a, b in zip(before, restored):
         np.testing.assert_array_equal(a, b)  # bitwise back: the push is exact, the prefix cache was reset
+    assert torch.equal(held(), model.model.embed_tokens.weight[rows].detach().to(torch.bfloat16))
     # the push re-packs on every core, then gives vLLM's worker its thread count and bindings back
     assert compiled_engine.llm.collective_rpc("compute_threads") == threads
 

@@ -78,24 +78,32 @@ def test_the_engine_gets_the_master_rounded_once_to_bf16():
 
 
 def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
-    """The file `Engine.load_weights` hands to vLLM's loader: safetensors' own reader gets every tensor back exactly;
-    the next push of the same size overwrites the file in place and reads back as the new values; another layout
-    replaces it."""
+    """The file `Engine.load_weights` hands to vLLM's worker: safetensors' own reader and the worker's kept mapping get
+    every tensor back exactly; the next push of the same layout is copied into the pusher's kept mapping and reads
+    back as the new values through the same mappings; a new layout, even of the same size, is written anew."""
     from safetensors.torch import load_file
 
-    from rla_lib.engine_process import write_safetensors
+    from rla_lib.engine_process import MappedWeights, write_safetensors
 
     path = str(tmp_path / "model.safetensors")
     state = {k: v.detach().clone() for k, v in load_model("qwen3-tiny").state_dict().items() if k != "lm_head.weight"}
     state["an.fp32.vector"] = torch.randn(5)
-    for _ in range(2):
-        write_safetensors(state, path)
-        back = load_file(path)
-        assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-        assert all(back[k].dtype == state[k].dtype for k in state)
+    state["an.empty.one"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    pusher, worker, mappings = MappedWeights(), MappedWeights(), []
+    for _ in range(3):
+        write_safetensors(state, path, pusher)
+        for back in load_file(path), dict(worker.tensors(path)):
+            assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+            assert all(back[k].dtype == state[k].dtype and back[k].shape == state[k].shape for k in state)
+        mappings.append((pusher._map, worker._map))
         state = {k: v + 1 for k, v in state.items()}  # the next push: new values, same layout
-    write_safetensors({"one": torch.ones(3, dtype=torch.bfloat16)}, path)
-    assert load_file(path).keys() == {"one"}
+    assert mappings[0][0] is None and mappings[0][1] is mappings[2][1]  # the first push is written, the worker maps once
+    assert mappings[1][0] is not None and mappings[1][0] is mappings[2][0]  # the next ones copied into one kept mapping
+    renamed = {k.replace("an.fp32", "an.fp33"): v for k, v in state.items()}  # same size, another header
+    write_safetensors(renamed, path, pusher)
+    assert list(load_file(path)) == list(renamed) and dict(worker.tensors(path)).keys() == renamed.keys()
+    write_safetensors({"one": torch.ones(3, dtype=torch.bfloat16)}, path, pusher)
+    assert load_file(path).keys() == {"one"} and list(dict(worker.tensors(path))) == ["one"]
 
 
 @pytest.mark.engine
