@@ -10,7 +10,9 @@ to change) plus the training side's linear-layer arithmetic on the real tokens a
 pointwise ops) at the best rate its GEMM reaches at the model's layer shapes here. A step with the same numerics,
 engine and GEMM kernel cannot take less.
 The targets are multiples of that floor (`tools/readme_speed.FLOOR_LIMITS`). At real shape (`make real-shape`):
-    .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 6 --prompts 2 --group-size 4 --rewards coin
+    .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 12 --prompts 2 --group-size 4 --rewards coin
+There the first few steps also grow the processes' heaps to the size the steps reuse from then on (each growth faults
+its pages in): the median over 11 steps is the steady step.
 The real shape's weights are random: it earns no reward, every advantage is 0 and so is every gradient, and the step
 is not one that learns (torch's sqrt, in AdamW, is several times slower on the zero second moments that follow).
 `--rewards coin` gives each sample a seeded 0/1 reward instead. `--allocator default` measures the step with glibc

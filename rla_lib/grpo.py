@@ -33,6 +33,7 @@ gives the same results as an uninterrupted run. Every file is written atomically
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import time
@@ -419,6 +420,12 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
         history.append(dict(step=0, eval_prompts=len(eval_split), **evaluate_run(cfg, policy, engine, eval_split)))
     for row in history[1:]:
         monitor.rows.append({k: row[k] for k in MONITOR_COLUMNS})
+    # what exists now (torch, Transformers, vLLM and their modules: close to a million objects) lasts the run: a full
+    # collection walked all of it, half a second now and then; frozen until the run ends, it walks the steps' own
+    # (left alone where the caller has frozen objects already: unfreezing would undo theirs)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         for step in bar(range(start, cfg.steps + 1), progress, initial=start - 1, total=cfg.steps, desc=out_dir.name):
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
@@ -427,6 +434,8 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
                 save_checkpoint(ckpt, policy, step, history)
                 atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
     finally:
+        if freeze:
+            gc.unfreeze()
         if own_engine:
             engine.close()
     return pd.DataFrame(history)
