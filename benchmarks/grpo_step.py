@@ -40,14 +40,17 @@ from rla_lib.paths import slug
 from rla_lib.report import save_table
 
 
-def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]]]:
+def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]], float]:
     """GFLOP of the training side's linear layers per real token of a step (the update's forward and backward,
-    6 per weight; the no-grad scoring of the minibatches after the first, 2 per weight), and their (in, out) shapes."""
+    6 per weight; the no-grad scoring of the minibatches after the first, 2 per weight), their (in, out) shapes, and
+    the GB of the model's BF16 weights (each tensor once: a tied head is the embedding), the size of a push."""
     with torch.device("meta"):  # shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(model).path))
     linears = [m for m in skeleton.modules() if isinstance(m, torch.nn.Linear)]
     weights = sum(m.weight.numel() for m in linears)
-    return weights * (6 + 2 * (minibatches - 1) / minibatches) / 1e9, {(m.in_features, m.out_features) for m in linears}
+    pushed_gb = sum(p.numel() for p in skeleton.parameters()) * 2 / 1e9  # parameters() yields a tied tensor once
+    return (weights * (6 + 2 * (minibatches - 1) / minibatches) / 1e9, {(m.in_features, m.out_features) for m in linears},
+            pushed_gb)
 
 
 def coin_rewards(rollout):
@@ -110,8 +113,9 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens; "
           f"{tokens['real_tokens']:.0f} real tokens per step, padded to {tokens['padded_tokens']:.0f}: {padding:.0%} padding)")
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(f"  peak resident memory of the training process: {peak_gb:.2f} GB")
-    per_token, shapes = linear_layers(args.model, cfg.minibatches)
+    per_token, shapes, pushed_gb = linear_layers(args.model, cfg.minibatches)
+    print(f"  peak resident memory of the training process: {peak_gb:.2f} GB, of which {pushed_gb:.2f} GB the pushed "
+          "weights' file, mapped (RAM-backed: in memory whether mapped or not)")
     # the best rate over the model's layer shapes at a minibatch's rows: the arithmetic cannot go faster than that
     rate = max(gemm_gflops(shape, int(tokens["padded_tokens"] / cfg.minibatches), cfg.dtype) for shape in shapes)
     training_floor = tokens["real_tokens"] * per_token / rate
@@ -121,7 +125,8 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
           f"on the real tokens at {rate:.0f} GFLOP/s, the training side's best GEMM rate here)")
     row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
                                                **tokens, padding_fraction=padding, peak_gb=peak_gb,
-                                               gemm_gflops=rate, training_floor=training_floor, floor=floor)
+                                               pushed_gb=pushed_gb, gemm_gflops=rate, training_floor=training_floor,
+                                               floor=floor)
     name = capped_name(f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
                        + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
     save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

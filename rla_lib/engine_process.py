@@ -272,8 +272,10 @@ def input_embedding_reloaded_in_place(model: torch.nn.Module):
     faults new pages in every few pushes; and its packing is a copy for GEMMs that only a layer multiplying by it
     would use (the embedding only looks rows up). The LM head, a layer of its own even when tied, is packed as before.
     Only where every embedding is a plain (unquantized) one other than the head; otherwise vLLM's reload is unchanged."""
-    from vllm.model_executor.model_loader.reload import meta  # the reload's modules kept in their own memory
-
+    try:
+        from vllm.model_executor.model_loader.reload import meta  # the reload's modules kept in their own memory
+    except ImportError:  # a vLLM without in-place reloading's module list: its own reload, unchanged
+        meta = None
     head = getattr(model, "lm_head", None)
     embeddings = [m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"]
     plain = [m.quant_method for m in embeddings if m is not head and m.quant_method is not getattr(head, "quant_method", None)

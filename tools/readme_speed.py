@@ -240,7 +240,9 @@ def block_speed() -> str:
         def with_memory(table, meta) -> str:
             # random weights earn no task reward: all-0 advantages and gradients, not a step that learns
             rewards = "coin-flip rewards" if meta.get("params", {}).get("rewards") == "coin" else "every gradient 0"
-            return f"{step(table.iloc[0])}; peak {table['peak_gb'].iloc[0]:.1f} GB (training process); {rewards}"
+            row = table.iloc[0]
+            mapped = f", {row['pushed_gb']:.1f} GB of it the mapped weights' file" if "pushed_gb" in row else ""
+            return f"{step(row)}; peak {row['peak_gb']:.1f} GB (training process{mapped}); {rewards}"
         before = _optional_table(f"{real_shape}_before")
         capped = _capped_table(real_shape)
         checks.append(("the GRPO step at the real shape", FLOOR_LIMITS["real shape"], "x its floor", _without_ci(
