@@ -146,8 +146,8 @@ class WorkerExtension:
             head.quant_method.process_weights_after_loading(head)
 
     def reload_weights_on_cores(self, cores: list[int] | None, tied_lm_head: bool, weights_file: str) -> None:
-        """vLLM's `reload_weights` from the pushed `weights_file` (and `refresh_tied_lm_head` if the head is tied) with this process's threads
-        on `cores` (None: as they are): vLLM binds a one-worker engine's compute threads to one core
+        """vLLM's `reload_weights` from the pushed `weights_file` (and `refresh_tied_lm_head` if the head is tied) with
+        this process's threads on `cores` (None: as they are): vLLM binds a one-worker engine's compute threads to one core
         (GOMP_CPU_AFFINITY), where its re-packing of every linear layer runs alone while the trainer waits for it.
         Thread count and bindings are put back after, so sampling runs as before; re-packing moves values, no
         arithmetic."""

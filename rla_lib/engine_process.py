@@ -278,7 +278,8 @@ def input_embedding_reloaded_in_place(model: torch.nn.Module):
         meta = None
     head = getattr(model, "lm_head", None)
     embeddings = [m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"]
-    plain = [m.quant_method for m in embeddings if m is not head and m.quant_method is not getattr(head, "quant_method", None)
+    plain = [m.quant_method for m in embeddings
+             if m is not head and m.quant_method is not getattr(head, "quant_method", None)
              and type(m.quant_method).__name__ == "UnquantizedEmbeddingMethod"]
     if not embeddings or len(plain) < len(embeddings) or not isinstance(getattr(meta, "SKIP_MODULES", None), set):
         yield
