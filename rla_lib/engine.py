@@ -510,11 +510,12 @@ class Engine:
             remove_orphaned_weights(base)
             self._weights_dir = tempfile.mkdtemp(prefix=f"rla-weights-{os.getpid()}-", dir=base)
             self._pushed = MappedWeights()  # this process's mapping of the file, kept from push to push
-        write_safetensors(state, os.path.join(self._weights_dir, "model.safetensors"), self._pushed)
+        weights_file = os.path.join(self._weights_dir, "model.safetensors")
+        write_safetensors(state, weights_file, self._pushed)
         # an engine in processes of its own re-packs on every core this process may use (it waits meanwhile)
         self.llm.collective_rpc("reload_weights_on_cores", kwargs=dict(
             cores=None if self._in_process else usable_cores(), tied_lm_head=self.spec.tie_word_embeddings,
-            weights_file=os.path.join(self._weights_dir, "model.safetensors")))
+            weights_file=weights_file))
         self.llm.collective_rpc("trim_freed_memory")  # its processes keep freed memory for the next push, up to a bound
         self.llm.reset_prefix_cache()  # otherwise a prompt seen before reuses KV from the old weights
 
