@@ -8,7 +8,9 @@ and is counted in it; a real-shape model's runs in vLLM's own processes, not cou
 It also prints a floor for this machine: the rollout as the engine ran it (real vLLM's own kernels, not the trainer's
 to change) plus the training side's linear-layer arithmetic on the real tokens alone (no padding, no attention or
 pointwise ops) at the best rate its GEMM reaches at the model's layer shapes here. A step with the same numerics,
-engine and GEMM kernel cannot take less.
+engine and GEMM kernel cannot take less. A tighter bound for these numerics: the rollout plus the time the step spends
+in the kernels whose arithmetic the training bits (and the committed GRPO histories) depend on, as they ran: its GEMMs
+and attention (torch's profiler, over two more steps after the timed ones) and its optimizer (gradient clip + AdamW).
 The targets are multiples of that floor (`tools/readme_speed.FLOOR_LIMITS`). At real shape (`make real-shape`):
     .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 12 --prompts 2 --group-size 4 --rewards coin
 There the first few steps also grow the processes' heaps to the size the steps reuse from then on (each growth faults
@@ -40,6 +42,9 @@ from rla_lib.paths import slug
 from rla_lib.report import save_table
 
 
+PROFILED_STEPS = 2  # run after the timed steps to time the kernels (`KernelTimes`)
+
+
 def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]], float]:
     """GFLOP of the training side's linear layers per real token of a step (the update's forward and backward,
     6 per weight; the no-grad scoring of the minibatches after the first, 2 per weight), their (in, out) shapes, and
@@ -60,6 +65,60 @@ def coin_rewards(rollout):
         samples, _ = rollout(cfg, step, engine, exclude)
         return samples, np.random.default_rng([cfg.seed, step]).integers(0, 2, len(samples)).astype(float)
     return rollout_with_coin_rewards
+
+
+class KernelTimes:
+    """The training side's time in the kernels the committed histories' bits depend on, per step: its GEMMs and
+    attention (self time under torch's profiler, over the scoring and update of `profiled` steps only: the profiler
+    slows the other ops) and its optimizer (gradient clip + AdamW, `Policy.step` less its backward, every step)."""
+
+    GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+    def __init__(self, profiled: set[int]):
+        self.profiled, self.step, self.profiler = profiled, None, None
+        self.rows = {}  # step -> {"gemm": s, "attention": s, "optimizer": s}
+
+    def install(self) -> None:
+        rollout, step, backward, weights = grpo.rollout, grpo.Policy.step, grpo.Policy.backward, grpo.Policy.rollout_weights
+
+        def rollout_then_profile(cfg, step_number, engine, exclude):
+            out = rollout(cfg, step_number, engine, exclude)
+            self.step = step_number
+            self.rows[step_number] = dict(optimizer=0.0, backward=0.0)
+            if step_number in self.profiled:
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.profiler.start()
+            return out
+
+        def timed(method, key):
+            def run(policy, *args):
+                start = time.perf_counter()
+                out = method(policy, *args)
+                self.rows[self.step][key] += time.perf_counter() - start
+                return out
+            return run
+
+        def stop_profile_then_weights(policy):
+            if self.profiler is not None:
+                self.profiler.stop()
+                self.rows[self.step] |= self.kernels(self.profiler.key_averages())
+                self.profiler = None
+            return weights(policy)
+
+        grpo.rollout, grpo.Policy.rollout_weights = rollout_then_profile, stop_profile_then_weights
+        grpo.Policy.step, grpo.Policy.backward = timed(step, "optimizer"), timed(backward, "backward")
+
+    def kernels(self, events) -> dict:
+        seconds = lambda keep: sum(e.self_cpu_time_total for e in events if keep(e.key)) / 1e6
+        return dict(gemm=seconds(lambda name: name in self.GEMMS),
+                    attention=seconds(lambda name: "scaled_dot_product" in name))
+
+    def per_step(self) -> pd.Series:
+        """Median seconds per step: GEMMs and attention over the profiled steps, the optimizer over the others."""
+        t = pd.DataFrame.from_dict(self.rows, orient="index")
+        optimizer = (t["optimizer"] - t["backward"])[(t.index > 1) & ~t.index.isin(self.profiled)].median()
+        profiled = t.loc[sorted(self.profiled & set(t.index)), ["gemm", "attention"]].median()
+        return pd.Series(dict(gemm_s=profiled["gemm"], attention_s=profiled["attention"], optimizer_s=optimizer))
 
 
 def gemm_gflops(shape: tuple[int, int], rows: int, dtype, repeats: int = 10) -> float:
@@ -90,16 +149,19 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     args = parser.parse_args()
     if args.rewards == "coin":
         grpo.rollout = coin_rewards(grpo.rollout)
+    profiled = set(range(args.steps + 1, args.steps + 1 + PROFILED_STEPS))  # after the timed steps, not among them
+    kernel_times = KernelTimes(profiled)
+    kernel_times.install()
     if args.allocator == "default":
         grpo.reuse_freed_memory = contextlib.nullcontext
         os.environ.update(malloc_environment(GLIBC_DEFAULTS) | {"GLIBC_TUNABLES": ""})  # the engine's processes too
-    cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps,
+    cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps + PROFILED_STEPS,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
                           eval_every=10**9, checkpoint_every=10**9)
     with tempfile.TemporaryDirectory() as out:
         h = grpo.run(cfg, out, progress=False)
     parts = ["t_rollout", "t_score", "t_update", "t_sync"]
-    h = h[h["step"] > 1]  # step 0 is the held-out accuracy before training, step 1 the warm-up
+    h = h[(h["step"] > 1) & ~h["step"].isin(profiled)]  # step 0 is the held-out accuracy before training, 1 the warm-up
     med = h[parts].median()
     if (h["grad_norm"] == 0).all():
         print("Every gradient was 0 (no group had two different rewards): not a step that learns. For a model that "
@@ -123,10 +185,16 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     print(f"  floor on this machine: {floor:.3f} s = rollout {med['t_rollout']:.3f} (the engine's) + "
           f"{training_floor:.3f} training arithmetic ({tokens['real_tokens'] * per_token:.1f} GFLOP of linear layers "
           f"on the real tokens at {rate:.0f} GFLOP/s, the training side's best GEMM rate here)")
+    kernels = kernel_times.per_step()
+    kernel_floor = med["t_rollout"] + kernels.sum()
+    print(f"  the kernels the training bits depend on, per step: GEMMs {kernels['gemm_s']:.3f} s and attention "
+          f"{kernels['attention_s']:.3f} s (profiled, {len(profiled)} steps), optimizer {kernels['optimizer_s']:.3f} s; "
+          f"with the rollout {kernel_floor:.3f} s = {kernel_floor / floor:.2f}x the floor: the least this step can take "
+          "without other kernels, and so other training bits")
     row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
                                                **tokens, padding_fraction=padding, peak_gb=peak_gb,
                                                pushed_gb=pushed_gb, gemm_gflops=rate, training_floor=training_floor,
-                                               floor=floor)
+                                               floor=floor, **kernels, kernel_floor=kernel_floor)
     name = capped_name(f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
                        + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
     save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

@@ -105,6 +105,11 @@ def test_speed_verdict_calls_a_miss_out_of_reach_only_where_the_floor_is_above_t
     here, capped = readme_speed.speed_verdict(checks).split("Capped to avx2: ")
     assert "step 0.6 s (target 0.5 s: missed)" in here
     assert "step 0.8 s (target 0.5 s: missed, and out of reach with the same numerics there: the floor is 0.59 s)" in capped
+    named = [("step", 1.25, "x its floor", {"here": (2.6, 2.6), "avx2": (1.4, 1.4)},
+              {"here": (2.0, readme_speed.KERNELS_TAKE), "avx2": (1.1, readme_speed.KERNELS_TAKE)})]
+    here, capped = readme_speed.speed_verdict(named).split("Capped to avx2: ")
+    assert f"missed, and out of reach with the same numerics there: {readme_speed.KERNELS_TAKE} 2.0x its floor)" in here
+    assert "step 1.4x its floor (target 1.25x its floor: missed)" in capped
 
 
 def test_suite_time_spread_counts_the_latest_passing_runs_on_the_newest_runs_machine():
