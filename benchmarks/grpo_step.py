@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rla_lib import grpo
+from rla_lib import grpo, native
 from rla_lib.machine import GLIBC_DEFAULTS, capped_name, malloc_environment, use_bf16_matmul
 from rla_lib.models import resolve_model
 from rla_lib.paths import slug
@@ -72,7 +72,7 @@ class KernelTimes:
     attention (self time under torch's profiler, over the scoring and update of `profiled` steps only: the profiler
     slows the other ops) and its optimizer (gradient clip + AdamW, `Policy.step` less its backward, every step)."""
 
-    GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+    GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "torch_dot_linear"}
 
     def __init__(self, profiled: set[int]):
         self.profiled, self.step, self.profiler = profiled, None, None
@@ -105,7 +105,14 @@ class KernelTimes:
                 self.profiler = None
             return weights(policy)
 
+        def seen_by_the_profiler(kernel):  # a C kernel called through ctypes (the BF16 forward without BF16 instructions)
+            def run(*args):
+                with torch.profiler.record_function(kernel.__name__):
+                    return kernel(*args)
+            return run
+
         grpo.rollout, grpo.Policy.rollout_weights = rollout_then_profile, stop_profile_then_weights
+        native.torch_dot_linear = seen_by_the_profiler(native.torch_dot_linear)
         grpo.Policy.step, grpo.Policy.backward = timed(step, "optimizer"), timed(backward, "backward")
 
     def kernels(self, events) -> dict:
