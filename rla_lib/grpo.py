@@ -228,8 +228,8 @@ class Policy:
             return self.compute
         return {k: round_mantissa(v.detach(), bits) for k, v in self.master.state_dict().items()}
 
-    def logprobs(self, ids, mask, grad: bool, full: bool = False):
-        """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position.
+    def logprobs(self, ids, mask, grad: bool, full: bool = False, entropy: bool = True):
+        """Per-token logprobs (B, T-1) of ids[:, 1:], and the policy entropy per position (None if not `entropy`).
 
         Both of the distribution the engine samples from: softmax(logits / cfg.temperature).
         full=True also returns the whole log-distribution (B, T-1, V), detached (small vocabularies).
@@ -238,8 +238,9 @@ class Policy:
             logits = self.compute(input_ids=ids, attention_mask=mask).logits[:, :-1]
             logp = log_softmax_at(logits, self.cfg.temperature)
             lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
-            entropy = -(logp.exp() * logp).sum(-1).detach()
-        return (lp, entropy, logp.detach()) if full else (lp, entropy)
+        with torch.no_grad():  # a statistic: three passes over the vocabulary, no graph for them
+            ent = -(logp.exp() * logp).sum(-1) if entropy else None
+        return (lp, ent, logp.detach()) if full else (lp, ent)
 
     def backward(self, loss) -> None:
         loss.backward()
@@ -344,7 +345,7 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
     adv = torch.from_numpy(group_advantages(rewards, cfg.group_size)).float()
     grad_norms, clip_fracs = [], []
     for i, mb in enumerate(minibatches):
-        new_lp, new_entropy, *full = policy.logprobs(ids[mb], attn[mb], grad=True, full=exact)
+        new_lp, new_entropy, *full = policy.logprobs(ids[mb], attn[mb], grad=True, full=exact, entropy=i == 0)
         if i == 0:
             old_lp[mb], entropy[mb] = new_lp.detach(), new_entropy
             if exact:
