@@ -10,7 +10,7 @@ to change) plus the training side's linear-layer arithmetic on the real tokens a
 pointwise ops) at the best rate its GEMM reaches at the model's layer shapes here. A step with the same numerics,
 engine and GEMM kernel cannot take less. A tighter bound for these numerics: the rollout plus the time the step spends
 in the kernels whose arithmetic the training bits (and the committed GRPO histories) depend on, as they ran: its GEMMs
-and attention (torch's profiler, over two more steps after the timed ones) and its optimizer (gradient clip + AdamW).
+and attention (torch's profiler, over one more step after the timed ones) and its optimizer (gradient clip + AdamW).
 The targets are multiples of that floor (`tools/readme_speed.FLOOR_LIMITS`). At real shape (`make real-shape`):
     .venv/bin/python benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape --steps 12 --prompts 2 --group-size 4 --rewards coin
 There the first few steps also grow the processes' heaps to the size the steps reuse from then on (each growth faults
@@ -42,7 +42,6 @@ from rla_lib.paths import slug
 from rla_lib.report import save_table
 
 
-PROFILED_STEPS = 2  # run after the timed steps to time the kernels (`KernelTimes`)
 
 
 def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]], float]:
@@ -69,14 +68,17 @@ def coin_rewards(rollout):
 
 class KernelTimes:
     """The training side's time in the kernels the committed histories' bits depend on, per step: its GEMMs and
-    attention (self time under torch's profiler, over the scoring and update of `profiled` steps only: the profiler
-    slows the other ops) and its optimizer (gradient clip + AdamW, `Policy.step` less its backward, every step)."""
+    attention (self time under torch's profiler, over the scoring and update of the `profiled` step, one after the
+    timed ones: the profiler slows the other ops) and its optimizer (gradient clip + AdamW, `Policy.step` less its
+    backward, every timed step). The profile is read after the run: read at once, or kept while another step runs,
+    its allocations split the freed blocks the next step's large tensors would reuse, and every step after faults
+    their pages in again. `peak_kb` is the process's peak before the profiled step."""
 
     GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "torch_dot_linear"}
 
-    def __init__(self, profiled: set[int]):
-        self.profiled, self.step, self.profiler = profiled, None, None
-        self.rows = {}  # step -> {"gemm": s, "attention": s, "optimizer": s}
+    def __init__(self, profiled: int):
+        self.profiled, self.step, self.profiler, self.peak_kb = profiled, None, None, None
+        self.rows = {}  # step -> {"optimizer": s, "backward": s}
 
     def install(self) -> None:
         rollout, step, backward, weights = grpo.rollout, grpo.Policy.step, grpo.Policy.backward, grpo.Policy.rollout_weights
@@ -85,7 +87,8 @@ class KernelTimes:
             out = rollout(cfg, step_number, engine, exclude)
             self.step = step_number
             self.rows[step_number] = dict(optimizer=0.0, backward=0.0)
-            if step_number in self.profiled:
+            if step_number == self.profiled:
+                self.peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self.profiler.start()
             return out
@@ -99,10 +102,8 @@ class KernelTimes:
             return run
 
         def stop_profile_then_weights(policy):
-            if self.profiler is not None:
+            if self.step == self.profiled:
                 self.profiler.stop()
-                self.rows[self.step] |= self.kernels(self.profiler.key_averages())
-                self.profiler = None
             return weights(policy)
 
         def seen_by_the_profiler(kernel):  # a C kernel called through ctypes (the BF16 forward without BF16 instructions)
@@ -115,17 +116,14 @@ class KernelTimes:
         native.torch_dot_linear = seen_by_the_profiler(native.torch_dot_linear)
         grpo.Policy.step, grpo.Policy.backward = timed(step, "optimizer"), timed(backward, "backward")
 
-    def kernels(self, events) -> dict:
-        seconds = lambda keep: sum(e.self_cpu_time_total for e in events if keep(e.key)) / 1e6
-        return dict(gemm=seconds(lambda name: name in self.GEMMS),
-                    attention=seconds(lambda name: "scaled_dot_product" in name))
-
     def per_step(self) -> pd.Series:
-        """Median seconds per step: GEMMs and attention over the profiled steps, the optimizer over the others."""
+        """Seconds per step: GEMMs and attention in the profiled step, the optimizer's median over the timed ones."""
+        events = self.profiler.key_averages()
+        seconds = lambda keep: sum(e.self_cpu_time_total for e in events if keep(e.key)) / 1e6
         t = pd.DataFrame.from_dict(self.rows, orient="index")
-        optimizer = (t["optimizer"] - t["backward"])[(t.index > 1) & ~t.index.isin(self.profiled)].median()
-        profiled = t.loc[sorted(self.profiled & set(t.index)), ["gemm", "attention"]].median()
-        return pd.Series(dict(gemm_s=profiled["gemm"], attention_s=profiled["attention"], optimizer_s=optimizer))
+        optimizer = (t["optimizer"] - t["backward"])[(t.index > 1) & (t.index != self.profiled)].median()
+        return pd.Series(dict(gemm_s=seconds(lambda name: name in self.GEMMS),
+                              attention_s=seconds(lambda name: "scaled_dot_product" in name), optimizer_s=optimizer))
 
 
 def gemm_gflops(shape: tuple[int, int], rows: int, dtype, repeats: int = 10) -> float:
@@ -156,19 +154,19 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     args = parser.parse_args()
     if args.rewards == "coin":
         grpo.rollout = coin_rewards(grpo.rollout)
-    profiled = set(range(args.steps + 1, args.steps + 1 + PROFILED_STEPS))  # after the timed steps, not among them
+    profiled = args.steps + 1  # after the timed steps, not among them
     kernel_times = KernelTimes(profiled)
     kernel_times.install()
     if args.allocator == "default":
         grpo.reuse_freed_memory = contextlib.nullcontext
         os.environ.update(malloc_environment(GLIBC_DEFAULTS) | {"GLIBC_TUNABLES": ""})  # the engine's processes too
-    cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps + PROFILED_STEPS,
+    cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps + 1,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
                           eval_every=10**9, checkpoint_every=10**9)
     with tempfile.TemporaryDirectory() as out:
         h = grpo.run(cfg, out, progress=False)
     parts = ["t_rollout", "t_score", "t_update", "t_sync"]
-    h = h[(h["step"] > 1) & ~h["step"].isin(profiled)]  # step 0 is the held-out accuracy before training, 1 the warm-up
+    h = h[(h["step"] > 1) & (h["step"] != profiled)]  # step 0 is the held-out accuracy before training, 1 the warm-up
     med = h[parts].median()
     if (h["grad_norm"] == 0).all():
         print("Every gradient was 0 (no group had two different rewards): not a step that learns. For a model that "
@@ -181,7 +179,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     padding = 1 - tokens["real_tokens"] / tokens["padded_tokens"]
     print(f"  {'total':>8}: {med.sum():.3f} s   (mean response length {h['response_len'].mean():.1f} tokens; "
           f"{tokens['real_tokens']:.0f} real tokens per step, padded to {tokens['padded_tokens']:.0f}: {padding:.0%} padding)")
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    peak_gb = kernel_times.peak_kb / 2**20  # KiB on Linux
     per_token, shapes, pushed_gb = linear_layers(args.model, cfg.minibatches)
     print(f"  peak resident memory of the training process: {peak_gb:.2f} GB, of which {pushed_gb:.2f} GB the pushed "
           "weights' file, mapped (RAM-backed: in memory whether mapped or not)")
@@ -195,7 +193,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     kernels = kernel_times.per_step()
     kernel_floor = med["t_rollout"] + kernels.sum()
     print(f"  the kernels the training bits depend on, per step: GEMMs {kernels['gemm_s']:.3f} s and attention "
-          f"{kernels['attention_s']:.3f} s (profiled, {len(profiled)} steps), optimizer {kernels['optimizer_s']:.3f} s; "
+          f"{kernels['attention_s']:.3f} s (profiled, one step), optimizer {kernels['optimizer_s']:.3f} s; "
           f"with the rollout {kernel_floor:.3f} s = {kernel_floor / floor:.2f}x the floor: the least this step can take "
           "without other kernels, and so other training bits")
     row = {p[2:]: med[p] for p in parts} | dict(total=med.sum(), steps=len(h), response_len=h["response_len"].mean(),
