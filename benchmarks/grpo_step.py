@@ -81,7 +81,7 @@ class KernelTimes:
         self.rows = {}  # step -> {"optimizer": s, "backward": s}
 
     def install(self) -> None:
-        rollout, step, backward, weights = grpo.rollout, grpo.Policy.step, grpo.Policy.backward, grpo.Policy.rollout_weights
+        rollout, step, backward, weights = grpo.rollout, grpo.Policy.step, torch.Tensor.backward, grpo.Policy.rollout_weights
 
         def rollout_then_profile(cfg, step_number, engine, exclude):
             out = rollout(cfg, step_number, engine, exclude)
@@ -94,9 +94,9 @@ class KernelTimes:
             return out
 
         def timed(method, key):
-            def run(policy, *args):
+            def run(this, *args, **kwargs):
                 start = time.perf_counter()
-                out = method(policy, *args)
+                out = method(this, *args, **kwargs)
                 self.rows[self.step][key] += time.perf_counter() - start
                 return out
             return run
@@ -114,7 +114,7 @@ class KernelTimes:
 
         grpo.rollout, grpo.Policy.rollout_weights = rollout_then_profile, stop_profile_then_weights
         native.torch_dot_linear = seen_by_the_profiler(native.torch_dot_linear)
-        grpo.Policy.step, grpo.Policy.backward = timed(step, "optimizer"), timed(backward, "backward")
+        grpo.Policy.step, torch.Tensor.backward = timed(step, "optimizer"), timed(backward, "backward")
 
     def per_step(self) -> pd.Series:
         """Seconds per step: GEMMs and attention in the profiled step, the optimizer's median over the timed ones."""

@@ -153,51 +153,6 @@ def clip_coefficient(grads, max_norm: float) -> tuple[torch.Tensor, torch.Tensor
 
 
 # ---- the two sides -------------------------------------------------------------------------
-class _LookupGradientAside(torch.autograd.Function):
-    """`F.embedding` whose weight gradient (torch's own `embedding_dense_backward`) is left on the module, not handed
-    to autograd: summed there with a tied head's, it took a new vocabulary-sized tensor every backward."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, embedding):
-        ctx.save_for_backward(ids)
-        ctx.embedding = embedding
-        return torch.nn.functional.embedding(ids, weight, embedding.padding_idx)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        m = ctx.embedding
-        padding = -1 if m.padding_idx is None else m.padding_idx
-        m.gradient_aside = torch.ops.aten.embedding_dense_backward(grad, ids, m.num_embeddings, padding, False)
-        return None, None, None
-
-
-class TiedEmbedding(torch.nn.Embedding):
-    """An input embedding that shares its weight with the LM head, whose gradient `add_gradient` adds in place to the
-    head's after the backward: head + embedding, the sum (and bits) autograd made out of place."""
-
-    def forward(self, ids):
-        return _LookupGradientAside.apply(ids, self.weight, self)
-
-    def add_gradient(self) -> None:
-        aside = self.__dict__.pop("gradient_aside", None)
-        if aside is not None:
-            if self.weight.grad is None:
-                self.weight.grad = aside
-            else:
-                self.weight.grad.add_(aside)
-
-
-def tied_embedding(model) -> TiedEmbedding | None:
-    """Make `model`'s input embedding a `TiedEmbedding` if its weight is the LM head's (and it is a plain lookup)."""
-    m, head = model.get_input_embeddings(), model.get_output_embeddings()
-    plain = type(m) is torch.nn.Embedding and m.max_norm is None and not (m.scale_grad_by_freq or m.sparse)
-    if not plain or head is None or head.weight is not m.weight:
-        return None
-    m.__class__ = TiedEmbedding
-    return m
-
-
 class Policy:
     """FP32 master weights + AdamW; a compute copy in the run's precision (aligned if asked)."""
 
@@ -211,7 +166,6 @@ class Policy:
         self.compute.train()
         if cfg.regions:
             align(self.compute, cfg.regions, **cfg.align_options)
-        self.tied = tied_embedding(self.compute)
         # torch's for-loop AdamW's bits in fewer passes over memory (benchmarks/adamw_step.py)
         self.opt = native.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
 
@@ -242,21 +196,16 @@ class Policy:
             ent = -(logp.exp() * logp).sum(-1) if entropy else None
         return (lp, ent, logp.detach()) if full else (lp, ent)
 
-    def backward(self, loss) -> None:
-        loss.backward()
-        if self.tied is not None:
-            self.tied.add_gradient()
-
     def step(self, loss) -> float:
         """Backward, clip the gradient's norm, AdamW on the master; returns the norm before clipping."""
         if self.compute is self.master:
             self.opt.zero_grad(set_to_none=True)
-            self.backward(loss)
+            loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.max_grad_norm)
             self.opt.step()
             return grad_norm.item()
         self.compute.zero_grad(set_to_none=True)
-        self.backward(loss)
+        loss.backward()
         # The master takes the BF16 gradients as they are (FP32 copies of them would hold the same values):
         # torch's clip_grad_norm_ and AdamW arithmetic on those values, without the copies (native.AdamW), and the
         # BF16 copy is refreshed in the same pass (the bits of refresh_compute)

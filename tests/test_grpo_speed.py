@@ -154,39 +154,11 @@ def test_clip_coefficient_is_clip_grad_norms_on_fp32_copies_bit_for_bit(norms, m
                for p, grad in zip(params, grads) if grad is not None)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tied_embedding_gradient_is_autograds_tied_sum_bit_for_bit(dtype):
-    """grpo.TiedEmbedding leaves the input embedding's gradient aside and adds it to the tied head's after the backward:
-    every gradient as autograd gives it summing the two (every token, repeated ones and the padding token among them),
-    bit for bit; forward, it is the lookup it replaces. Without `add_gradient` the tied weight's gradient would differ."""
-    stock, tied = load_model("qwen3-tiny", dtype), load_model("qwen3-tiny", dtype)
-    embedding = grpo.tied_embedding(tied)
-    assert isinstance(embedding, grpo.TiedEmbedding) and embedding.padding_idx is not None
-    vocab = stock.config.vocab_size
-    ids = torch.cat([torch.arange(vocab), torch.arange(vocab).flip(0), torch.zeros(4, dtype=torch.long)]).view(3, -1)
-    weights = torch.randn(ids.shape[0], ids.shape[1], vocab, generator=torch.Generator().manual_seed(0))
-    grads = []
-    for model in (stock, tied):
-        logits = model(input_ids=ids).logits
-        (logits.float() * weights).sum().backward()
-        if model is tied:
-            assert not torch.equal(embedding.weight.grad, stock.get_input_embeddings().weight.grad)
-            embedding.add_gradient()
-        grads.append({name: p.grad for name, p in model.named_parameters()})
-        grads[-1]["logits"] = logits.detach()
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        assert torch.equal(grads[0][name].view(torch.uint8), grads[1][name].view(torch.uint8)), name
-    untied = load_model("qwen2-tiny", dtype)
-    assert grpo.tied_embedding(untied) is None and type(untied.get_input_embeddings()) is torch.nn.Embedding
-
-
 def test_policy_step_is_torchs_clip_and_adamw_on_fp32_gradient_copies():
     """grpo.Policy.step (BF16 gradients straight into native.AdamW) leaves the master weights, the optimizer state and
     the BF16 copy as copying the gradients into the FP32 master, torch's clip_grad_norm_ and for-loop AdamW do."""
     cfg = grpo.GRPOConfig(max_grad_norm=0.05)  # small: the clip scales every step
     policy, reference = grpo.Policy(cfg), grpo.Policy(cfg)
-    reference.compute.get_input_embeddings().__class__, reference.tied = torch.nn.Embedding, None  # autograd's tied sum
     reference_opt = torch.optim.AdamW(reference.master.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=cfg.weight_decay, foreach=False)
     ids, attn = pad_batch(some_sequences(6))
