@@ -42,8 +42,6 @@ from rla_lib.paths import slug
 from rla_lib.report import save_table
 
 
-
-
 def linear_layers(model: str, minibatches: int) -> tuple[float, set[tuple[int, int]], float]:
     """GFLOP of the training side's linear layers per real token of a step (the update's forward and backward,
     6 per weight; the no-grad scoring of the minibatches after the first, 2 per weight), their (in, out) shapes, and
@@ -81,7 +79,8 @@ class KernelTimes:
         self.rows = {}  # step -> {"optimizer": s, "backward": s}
 
     def install(self) -> None:
-        rollout, step, backward, weights = grpo.rollout, grpo.Policy.step, torch.Tensor.backward, grpo.Policy.rollout_weights
+        rollout, policy_step, backward = grpo.rollout, grpo.Policy.step, torch.Tensor.backward
+        weights = grpo.Policy.rollout_weights
 
         def rollout_then_profile(cfg, step_number, engine, exclude):
             out = rollout(cfg, step_number, engine, exclude)
@@ -114,7 +113,7 @@ class KernelTimes:
 
         grpo.rollout, grpo.Policy.rollout_weights = rollout_then_profile, stop_profile_then_weights
         native.torch_dot_linear = seen_by_the_profiler(native.torch_dot_linear)
-        grpo.Policy.step, torch.Tensor.backward = timed(step, "optimizer"), timed(backward, "backward")
+        grpo.Policy.step, torch.Tensor.backward = timed(policy_step, "optimizer"), timed(backward, "backward")
 
     def per_step(self) -> pd.Series:
         """Seconds per step: GEMMs and attention in the profiled step, the optimizer's median over the timed ones."""

@@ -198,8 +198,8 @@ KERNELS_TAKE = "the rollout and the kernels the training bits depend on (GEMMs, 
 
 def _kernel_floors(here, capped) -> tuple[dict]:
     """The verdict's bound for a GRPO-step check: rollout + those kernels, as a multiple of the floor, where measured."""
-    bounds = {where: (_times_floor(t, "kernel_floor"), KERNELS_TAKE) for where, t in [("here", here), (CAPPED, capped)]
-              if t is not None and _times_floor(t, "kernel_floor") is not None}
+    ratios = {where: _times_floor(t, "kernel_floor") for where, t in [("here", here), (CAPPED, capped)] if t is not None}
+    bounds = {where: (ratio, KERNELS_TAKE) for where, ratio in ratios.items() if ratio is not None}
     return (bounds,) if bounds else ()
 
 
