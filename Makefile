@@ -94,10 +94,10 @@ test-real-shape: setup real-shape
 	$(PY) -m rla_lib.report times notebooks/executed-real-shape --name real_shape_notebooks \
 		--note "make test-real-shape: notebooks on $(or $(RLA_REAL_SHAPE_MODEL),.cache/real-shape/qwen3-0.6b-shape), parameters of tests/test_notebooks.py REAL_SHAPE"
 
-# The align tests under the other Transformers series rla_lib.align supports (rla_lib.align_versions; 5.19 is the
+# The align tests under the other Transformers series rla_lib.align supports (rla_lib.align.versions; 5.19 is the
 # main environment's), each in a small environment of its own: torch and transformers, pinned in requirements/.
 TF_SERIES := 4.57 5.10
-ALIGN_TESTS := tests/test_align.py tests/test_align_attention.py tests/test_qwen_layer.py
+ALIGN_TESTS := tests/test_align.py tests/test_align_attention.py tests/test_modeling_qwen.py
 test-transformers: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 	@for s in $(TF_SERIES); do \
 		echo "== align tests under transformers $$s"; \

@@ -12,7 +12,7 @@ its rows compare the training sides on identical tokens; later steps sample from
 weights (`same_rollout_as_stock` says which steps still match the stock arm's tokens).
 
 Writes tables/trl_mismatch.csv (one row per arm and step: TRL's `sampling/*` metrics, the `mismatch/*` ones
-of `rla_lib.monitor`, the reward) and its provenance sidecar, atomically (`rla_lib.report.save_table`).
+of `rla_lib.align.monitor`, the reward) and its provenance sidecar, atomically (`rla_lib.report.save_table`).
 """
 
 import argparse
@@ -101,7 +101,7 @@ def main(argv=None):
         df.insert(5, "same_rollout_as_stock", [a == b for a, b in zip(arm_digests, reference)])
     table = pd.concat(tables, ignore_index=True)
     params = dict(vars(opts), trl=version("trl"), model="qwen3-tiny", engine=f"vllm:{opts.mode}",
-                  note="mismatch/* in nats per token (rla_lib.monitor); step 1 samples the same tokens in every arm")
+                  note="mismatch/* in nats per token (rla_lib.align.monitor); step 1 samples the same tokens in every arm")
     print(save_table(table, "trl_mismatch", params=params))
     print(table[["arm", "step", "same_rollout_as_stock", "mismatch/k1", "mismatch/k3", "mismatch/exact_kl",
                  "sampling/sampling_logp_difference/mean", "reward"]].to_string(index=False))

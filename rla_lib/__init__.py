@@ -20,7 +20,7 @@ _EXPORTS = {
     "align_to_engine": "engine_align", "engine_schedule_for": "engine_align", "exactness": "engine_align",
     "Engine": "engine",
     "measure": "mismatch",
-    "mismatch_metrics": "monitor", "MismatchMeter": "monitor", "MismatchCallback": "monitor",
+    "mismatch_metrics": "align", "MismatchMeter": "align", "MismatchCallback": "align",
     "load_model": "models", "load_tokenizer": "models", "resolve_model": "models",
     "GRPOConfig": "grpo",
 }

@@ -26,7 +26,7 @@ from pathlib import Path
 from . import mismatch_report
 from .engine import MODES, Engine, default_context
 from .engine_align import engine_schedule, exactness
-from .graphs import save_schedule
+from .align.schedule import save_schedule
 from .machine import describe, machine
 from .mismatch import measure
 from .models import load_tokenizer, resolve_model

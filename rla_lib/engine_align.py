@@ -1,7 +1,7 @@
 """Align the training side to an engine in one call: its rounding schedule read from its code, attention from its kernel.
 
     handle = align_to_engine(model, engine)            # a running Engine, compiled or eager
-    handle = align_to_engine(model, "schedule.json")   # or a saved schedule (e.g. read on a GPU machine)
+    handle = align_to_engine(model, "schedule.json")   # or a saved schedule (rla_lib.align.align_to_engine: no vLLM)
     handle.undo()                                      # stock again, bit for bit
 
 The schedule's points come from `rla_lib.graphs`: the engine's inductor output code (compiled) or its aten
@@ -23,10 +23,12 @@ import numpy as np
 import torch
 
 from . import kl, sides, task
-from .align import ALL_REGIONS, AlignOptions, align, refuse_if_aligned, unalign
+from . import align as fix
+from .align import AlignOptions, align, refuse_if_aligned, unalign
+from .align.attention import VLLM_CPU_BUILDS
+from .align.schedule import load_schedule, save_schedule, schedule_to_align_kwargs
 from .engine import Engine
-from .graphs import GRAPHS_DIR, load_schedule, read_sides, save_schedule, schedule, schedule_to_align_kwargs
-from .attention import VLLM_CPU_BUILDS
+from .graphs import GRAPHS_DIR, read_sides, schedule
 from .machine import machine_key, vllm_cpu_attention_kernel
 from .models import load_model, resolve_model
 from .scoring import token_logprobs
@@ -194,21 +196,11 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
 
 
 def align_to_engine(model, source, replace: bool = False, **schedule_kwargs):
-    """Make `model` round where the engine does: `source` is a running `Engine`, a schedule (dict) or the path
-    of a saved one. Returns the `rla_lib.align` handle (`.undo()` restores stock; `exactness(handle.schedule)` says
-    how exact it was on the probe). What the options cannot express is listed by `graphs.schedule_notes(schedule)`.
-    A model already aligned is refused unless `replace=True` (the engine's probe then runs on it stock)."""
+    """`rla_lib.align.align_to_engine`, where `source` may also be a running `Engine`: its schedule is read from its code
+    and its attention numerics probed on `model` (stock for the probe; `schedule_kwargs` go to `engine_schedule`).
+    `exactness(handle.schedule)` says how exact it was on the probe."""
     refuse_if_aligned(model, replace)
-    unalign(model)
     if isinstance(source, Engine):
-        sched = engine_schedule(source, model, **schedule_kwargs)
-    elif isinstance(source, (str, Path)):
-        sched = load_schedule(source)
-    elif isinstance(source, dict):
-        sched = source
-    else:
-        raise TypeError(f"source must be an Engine, a schedule dict or a schedule file, got {type(source).__name__}")
-    regions, options = schedule_to_align_kwargs(sched)
-    handle = align(model, tuple(r for r in ALL_REGIONS if r in regions), **options)
-    handle.schedule = sched
-    return handle
+        unalign(model)
+        source = engine_schedule(source, model, **schedule_kwargs)
+    return fix.align_to_engine(model, source, replace=replace)

@@ -46,8 +46,9 @@ import torch
 
 from . import native, task
 from .align import align
+from .align.monitor import TIS_CAP, mismatch_summary
 from .engine import Engine
-from .kl import MONITOR_COLUMNS, TIS_CAP, UNIT, MismatchMonitor, mismatch_summary
+from .kl import MONITOR_COLUMNS, UNIT, MismatchMonitor
 from .machine import machine, reuse_freed_memory, trim_freed_memory, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write

@@ -34,28 +34,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .align.monitor import exact_terms, k3_terms, mismatch_summary, sampled_terms
+
 UNIT = 1e-4
 ESTIMATORS = ("sampled", "k3", "exact", "topk_bound", "abs")
 
 
-# ---- per-token terms ------------------------------------------------------------------------
-def sampled_terms(inf_lp, train_lp):
-    return np.asarray(inf_lp, np.float64) - np.asarray(train_lp, np.float64)
-
-
-def k3_terms(inf_lp, train_lp):
-    d = sampled_terms(inf_lp, train_lp)
-    return np.expm1(-d) + d  # r - 1 - log r with log r = -d; expm1 keeps tiny values exact
-
-
-def exact_terms(inf_full, train_full):
-    """Per-position KL(p_inf || p_train) from (T, V) log-probability arrays (-inf allowed)."""
-    p, q = np.asarray(inf_full, np.float64), np.asarray(train_full, np.float64)
-    with np.errstate(invalid="ignore"):
-        terms = np.where(np.isneginf(p), 0.0, np.exp(p) * (p - q))
-    return terms.sum(-1)
-
-
+# ---- per-token terms (sampled, k3 and exact: the monitor's, `rla_lib.align.monitor`) ---------------------------
 def topk_bound_terms(inf_full, train_full, k: int):
     """KL after merging all but the inference side's top-k tokens into one bucket (<= exact KL)."""
     p, q = np.asarray(inf_full, np.float64), np.asarray(train_full, np.float64)
@@ -337,58 +322,6 @@ def compare(pairs: list[dict], estimators=("sampled", "k3", "exact"), clusters=N
 
 
 # ---- a monitor for any training loop ----------------------------------------------------
-TIS_CAP = 2.0  # the importance-weight cap of the statistics below: verl's default, and this project's TIS setting
-MISMATCH_STATS = ("k1", "k3", "abs_diff_mean", "abs_diff_max", "k1_per_sequence", "k3_per_sequence", "is_ratio_mean",
-                  "is_ratio_min", "is_ratio_max", "tis_weight_mean", "is_ratio_above_cap", "seq_is_ratio_above_cap")
-
-
-def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None, training_full=None,
-                     tis_cap: float = TIS_CAP) -> dict:
-    """One batch's mismatch, in nats: the formulas behind `MismatchMonitor` and `rla_lib.monitor`.
-
-    Inputs are lists with one array per response: each sampled token's logprob on each side, and
-    optionally both sides' full (T, V) log-distributions for the exact KL. With d = logp_inf - logp_train
-    per token and rho = exp(-d) = p_train / p_inf, the weight that corrects the training loss for
-    sampling from the inference side, the statistics pool every token of the batch:
-    k1 = mean d (the paper's estimator); k3 = mean(rho - 1 - log rho); exact_kl = mean per-position
-    KL(p_inf || p_train) (only with the full distributions), exact_kl_per_sequence = its sum over each
-    response, averaged over responses; abs_diff_mean / abs_diff_max = mean / max |d|;
-    k1_per_sequence / k3_per_sequence = each response's sum of terms, averaged over responses (nats per
-    response: the log of a sequence-level importance ratio is a sum); is_ratio_mean / min / max = of rho,
-    untruncated; tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
-    is_ratio_above_cap = the fraction of tokens with rho > tis_cap; seq_is_ratio_above_cap = the fraction of
-    responses whose product of rho exceeds tis_cap. Also `tokens` and `sequences` (non-empty responses).
-    With no tokens every statistic is nan.
-    """
-    inf = [np.asarray(a, np.float64) for a in inference_logprobs]
-    train = [np.asarray(b, np.float64).reshape(-1) for b in training_logprobs]
-    lengths = np.array([len(a) for a in inf], dtype=int)
-    if list(lengths) != [len(b) for b in train]:
-        raise ValueError("inference and training logprobs must cover the same tokens (same lengths per response)")
-    d = np.concatenate([a - b for a, b in zip(inf, train)]) if inf else np.zeros(0)
-    out = {"tokens": len(d), "sequences": int((lengths > 0).sum())}
-    if not len(d):
-        return out | dict.fromkeys(MISMATCH_STATS + (("exact_kl", "exact_kl_per_sequence") if inference_full is not None else ()), np.nan)
-    k3 = k3_terms(d, 0.0)
-    ends = np.cumsum(lengths)[:-1]
-    seq_d = np.array([t.sum() for t in np.split(d, ends)])[lengths > 0]
-    seq_k3 = np.array([t.sum() for t in np.split(k3, ends)])[lengths > 0]
-    rho = np.exp(-d)
-    out |= {"k1": d.mean(), "k3": k3.mean(), "abs_diff_mean": np.abs(d).mean(), "abs_diff_max": np.abs(d).max(),
-            "k1_per_sequence": seq_d.mean(), "k3_per_sequence": seq_k3.mean(), "is_ratio_mean": rho.mean(),
-            "is_ratio_min": rho.min(), "is_ratio_max": rho.max(), "tis_weight_mean": np.minimum(rho, tis_cap).mean(),
-            "is_ratio_above_cap": (rho > tis_cap).mean(), "seq_is_ratio_above_cap": (-seq_d > np.log(tis_cap)).mean()}
-    if inference_full is not None:
-        if training_full is None or len(inference_full) != len(inf) or len(training_full) != len(inf):
-            raise ValueError("the exact KL needs both sides' full distributions, one (T, V) array per response")
-        exact = [exact_terms(p, q) for p, q in zip(inference_full, training_full)]
-        if [len(e) for e in exact] != list(lengths):
-            raise ValueError("full distributions must have one row per sampled token of their response")
-        out["exact_kl"] = np.concatenate(exact).mean()
-        out["exact_kl_per_sequence"] = np.array([e.sum() for e in exact])[lengths > 0].mean()
-    return {k: v if k in ("tokens", "sequences") else float(v) for k, v in out.items()}
-
-
 MONITOR_COLUMNS = ("step", "tokens", "sampled_kl", "k3", "mean_abs_diff", "max_abs_diff")  # one row per step
 
 

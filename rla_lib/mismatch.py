@@ -81,9 +81,9 @@ def core_digest() -> str:
 
 
 def core_sources() -> list[Path]:
-    """Every source file of the core (Python, the C kernels, the child processes' start-up code): any of them can
+    """Every source file of the core (Python, the C kernels and their header, the child processes' start-up code): any of them can
     change a score. The studies (`rla_lib.studies`) only read scores."""
-    return sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c")
+    return sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".h")
                   and not {"studies", "__pycache__"} & set(p.relative_to(PACKAGE).parts))
 
 

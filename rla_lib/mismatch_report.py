@@ -14,7 +14,7 @@ import pandas as pd
 from . import sides
 from .align import REGIONS
 from .engine_align import engine_schedule_for
-from .graphs import schedule_to_align_kwargs
+from .align.schedule import schedule_to_align_kwargs
 from .kl import FEW_PROMPTS, all_equal_bound
 from .mismatch import MismatchRun, config_name
 from .report import pct_ci

@@ -1,84 +1,33 @@
-"""The kernel-order loops of `vector_sums.square_sum`, `attention.vllm_cpu_attention` and torch's BF16 dot-product GEMM
-(`machine.torch_bf16_linear`) in C (native_kernels.c), for speed: the torch-op versions take a Python loop of small
-tensor ops per element of the sum (+400% on a forward+backward at 8 layers, `benchmarks/align_overhead.py`); torch's
-own BF16 GEMM without BF16 instructions runs at a third of the FP32 library's rate. And the GRPO update's memory-bound
-parts: torch's for-loop AdamW (`AdamW`) in one pass over memory instead of seven, and torch's 2-norm of BF16 gradients
-(`bf16_norms`, the clip's) without FP32 copies of them. Same operations in the same order, so the same bits
-(tests/test_native.py).
+"""The training side's kernel-order loops outside the aligned layer, in C (native_kernels.c), for speed: torch's BF16
+dot-product GEMM without BF16 instructions (`machine.torch_bf16_linear`), which torch runs at a third of the FP32
+library's rate; and the GRPO update's memory-bound parts: torch's for-loop AdamW (`AdamW`) in one pass over memory
+instead of seven, and torch's 2-norm of BF16 gradients (`bf16_norms`, the clip's) without FP32 copies of them. Same
+operations in the same order, so the same bits (tests/test_native.py).
 
-Compiled once per machine with the system C compiler into `.cache/native/` (about a second). Where there is none or
-the build fails (a warning says so), or with `RLA_NATIVE=0`, `library()` is None and the callers run their torch-op
-loops.
+Built as the aligned layer's kernels are (`rla_lib.align.native.build`: once per machine, None without a C compiler or
+with `RLA_NATIVE=0`, and the callers then run torch's own ops).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import threading
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .paths import ROOT
-from .settings import setting
+from .align.native import build, parallel, pool
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-CACHE_DIR = ROOT / ".cache" / "native"
-# No contraction of a·b + c into a fused multiply-add unless the source writes fmaf, no reassociation: the order the
-# source spells is the order the bits come from. -march=native makes fmaf one instruction (else a libm call);
-# no traps or errno (flags only, never values) lets floorf vectorise.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fno-math-errno",
-         "-std=c11", "-shared", "-fPIC"]
-
-
-def _cpu_id() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None: no C compiler or a failed build (with a warning saying so), or RLA_NATIVE=0."""
-    if setting("RLA_NATIVE") == "0":
+    """The compiled kernels, or None (`rla_lib.align.native.build`)."""
+    lib = build(SOURCE, SOURCE.parent)
+    if lib is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        warnings.warn("rla_lib.native: no C compiler (cc): the kernel-order sums run as loops of torch ops, the same "
-                      "bits, several times slower. Install gcc (apt-get install gcc) for the fast path.", stacklevel=2)
-        return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"kernels-{key}.so"
-    if not path.exists():  # built under a name of its own, then renamed: test workers or threads may build at once
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.so")
-        try:
-            CACHE_DIR.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
-                           text=True)
-            os.replace(tmp, path)
-        except (OSError, subprocess.CalledProcessError) as error:
-            warnings.warn(f"rla_lib.native: building {SOURCE.name} into {CACHE_DIR} failed, the torch-op loops run "
-                          f"instead (same bits, slower):\n{getattr(error, 'stderr', None) or error}", stacklevel=2)
-            return None
-        finally:
-            tmp.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.square_sum.argtypes = [ptr, i64, i64, i64, i64, ptr]
-    lib.square_sum.restype = None
-    lib.attention_spans.argtypes = [ptr, i64, i64, ptr]
-    lib.attention_spans.restype = None
-    lib.vllm_cpu_attention.argtypes = [ptr] * 7 + [i64] * 9 + [ctypes.c_float] + [ptr] * 3
-    lib.vllm_cpu_attention.restype = ctypes.c_int
     lib.torch_dot_linear.argtypes = [ptr] * 4 + [i64] * 5 + [ptr]
     lib.pack_dot_operand.argtypes = [ptr] + [i64] * 5 + [ptr]
     lib.pack_dot_operand.restype = None
@@ -125,27 +74,6 @@ def torch_sqrt_kernel() -> tuple[int, int] | None:
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (vml_sqrt, threads_local))
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="rla-native")
-
-
-def _parallel(n: int, run, grain: int = 1) -> None:
-    """run(begin, end) over [0, n) split across torch's thread count, at least `grain` items a thread (ctypes releases
-    the GIL during the call)."""
-    threads = max(1, min(torch.get_num_threads(), n // grain))
-    if threads == 1:
-        return run(0, n)
-    bounds = [n * i // threads for i in range(threads + 1)]
-    list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
-
-
-def square_sum(x: torch.Tensor, registers: int, width: int) -> torch.Tensor:
-    """`vector_sums.square_sum` of an FP32 tensor over its last dim, in C (one thread: a single pass over memory)."""
-    rows = x.detach().float().contiguous().view(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], dtype=torch.float32)
-    library().square_sum(rows.data_ptr(), rows.shape[0], rows.shape[1], registers, width, out.data_ptr())
-    return out.view(x.shape[:-1])
 
 
 DOT_MR, DOT_NR, DOT_STEP = 6, 16, 64  # native_kernels.c's output tile and step
@@ -161,54 +89,17 @@ def torch_dot_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xw = torch.empty(tiles * DOT_STEP * steps * DOT_MR)
     ww = torch.empty(blocks * DOT_STEP * steps * DOT_NR)
     for packed, a, tile, n in ((xw, x, DOT_MR, tiles), (ww, weight, DOT_NR, blocks)):
-        _parallel(n, lambda begin, end, packed=packed, a=a, tile=tile: library().pack_dot_operand(
+        parallel(n, lambda begin, end, packed=packed, a=a, tile=tile: library().pack_dot_operand(
             a.view(torch.int16).data_ptr(), a.shape[0], k, tile, begin, end, packed.data_ptr()))
     pad = torch.nn.functional.pad  # the last K - 64·steps columns, as they are (few)
     x_tail = pad(x[:, steps * DOT_STEP :].float(), (0, 0, 0, tiles * DOT_MR - rows)).contiguous()
     w_tail = pad(weight[:, steps * DOT_STEP :].float(), (0, 0, 0, blocks * DOT_NR - cols)).T.contiguous()
     out = torch.empty(tiles * DOT_MR, blocks * DOT_NR, dtype=torch.float32)
-    _parallel(tiles, lambda begin, end: library().torch_dot_linear(
+    parallel(tiles, lambda begin, end: library().torch_dot_linear(
         xw.data_ptr(), ww.data_ptr(), x_tail.data_ptr(), w_tail.data_ptr(), steps, k - steps * DOT_STEP,
         blocks * DOT_NR, DOT_MR * begin, DOT_MR * end, out.data_ptr()))
     return out[:rows, :cols]
 
-
-VLLM_CPU_LOOPS = ("avx512", "avx2", "amx")  # the loops of vLLM-CPU's attention kernels (native_kernels.c)
-
-
-def vllm_cpu_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attended: torch.Tensor, scale: float,
-                       weights: bool = False, loops: str = "avx512", tiles: torch.Tensor | None = None):
-    """`attention._vllm_cpu_forward`'s loops in C: FP32 q (B, H, T, D), the softmax `scale`, FP32 k/v (B, KV, S, D) (KV
-    divides H), `attended` (B, 1|H, T, S) bool, `loops` the vLLM-CPU kernel's (`VLLM_CPU_LOOPS`), `tiles` (B, T) the KV
-    tile size of each query row (`attention.kv_tiles`; 0 or None: all keys in one tile). Returns the FP32 output before
-    rounding, each row's log-sum-exp (+inf where it attends to nothing) and, with `weights`, p/Σp (B, H, T, S) (else
-    None: writing it costs as much as the rest; for rows over several tiles each tile's p is relative to its own max,
-    not rescaled)."""
-    batch, heads, length, dim = q.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
-    mask = attended.contiguous()  # bool: one byte, 0 or 1
-    span = torch.empty(mask.shape[:-1] + (2,), dtype=torch.int64)
-    library().attention_spans(mask.data_ptr(), mask.numel() // keys, keys, span.data_ptr())
-    # the row sum's 16 lanes count from the sequence's first position (its first slot in the KV cache)
-    start = span[..., 0].flatten(1).amin(1).contiguous()
-    out = torch.empty(batch, heads, length, dim, dtype=torch.float32)
-    logsumexp = torch.empty(batch, heads, length, dtype=torch.float32)
-    p = torch.empty(batch, heads, length, keys, dtype=torch.float32) if weights else None
-    tiles = None if tiles is None else tiles.to(torch.int64).expand(batch, length).contiguous()
-
-    def run(begin, end):
-        failed = library().vllm_cpu_attention(
-            q.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), span.data_ptr(), start.data_ptr(),
-            None if tiles is None else tiles.data_ptr(), heads,
-            kv_heads, mask.shape[1], length, keys, dim, begin, end, VLLM_CPU_LOOPS.index(loops), scale, out.data_ptr(),
-            logsumexp.data_ptr(),
-            None if p is None else p.data_ptr())
-        if failed:
-            raise MemoryError("rla_lib.native.vllm_cpu_attention: out of memory for its buffers")
-
-    _parallel(batch * heads, run)
-    return out, logsumexp, p
 
 
 # (lanes, tail) orders of torch's FP32 2-norm (native_kernels.c's bf16_norm), the likeliest first: AVX2's 8 lanes (torch
@@ -246,7 +137,7 @@ def bf16_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if order is None or not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
                                 for t in tensors):
         return None
-    norms = _pool(torch.get_num_threads()).map(lambda t: library().bf16_norm(t.data_ptr(), t.numel(), *order), tensors)
+    norms = pool(torch.get_num_threads()).map(lambda t: library().bf16_norm(t.data_ptr(), t.numel(), *order), tensors)
     return torch.tensor(list(norms), dtype=torch.float32)
 
 
@@ -264,19 +155,19 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     scalars, sqrt_kernel = (lerp_weight, beta2, one_minus_beta2), torch_sqrt_kernel()
     if sqrt_kernel is not None:
         vml_sqrt, mkl_threads_local = sqrt_kernel
-        _parallel(n, lambda begin, end: lib.adamw_step(
+        parallel(n, lambda begin, end: lib.adamw_step(
             grad.data_ptr(), grad.dtype == torch.bfloat16, grad_scale, param.data_ptr(), exp_avg.data_ptr(),
             exp_avg_sq.data_ptr(), None if copy is None else copy.data_ptr(), begin, end, *scalars, decay,
             bias_correction2_sqrt, eps, neg_step_size, vml_sqrt, TORCH_VML_MODE, mkl_threads_local), grain)
         return
     if grad.dtype == torch.bfloat16:  # a BF16 gradient times `grad_scale`, as if copied to FP32 and clipped first
-        _parallel(n, lambda begin, end: lib.adamw_moments_bf16(grad.data_ptr(), grad_scale, exp_avg.data_ptr(),
+        parallel(n, lambda begin, end: lib.adamw_moments_bf16(grad.data_ptr(), grad_scale, exp_avg.data_ptr(),
                                                                exp_avg_sq.data_ptr(), begin, end, *scalars), grain)
     else:
-        _parallel(n, lambda begin, end: lib.adamw_moments(grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        parallel(n, lambda begin, end: lib.adamw_moments(grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                                           begin, end, *scalars), grain)
     root = torch.sqrt(exp_avg_sq, out=root if root is not None else torch.empty_like(exp_avg_sq))
-    _parallel(n, lambda begin, end: lib.adamw_parameters(param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), begin,
+    parallel(n, lambda begin, end: lib.adamw_parameters(param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), begin,
                                                          end, decay, bias_correction2_sqrt, eps, neg_step_size), grain)
     if copy is not None:
         copy.copy_(param)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .attention import prefilled as attention_prefilled
+from .align.attention import prefilled as attention_prefilled
 
 
 def pad_batch(sequences, pad_id: int = 0):

@@ -17,7 +17,7 @@ restart), then computes the trainer's log-probabilities of the sampled tokens (`
 importance-sampling correction and its `sampling/*` metrics from the engine's `sampling_per_token_logps`.
 
 The mismatch is read from those two tensors of TRL's own, with its `completion_mask`, by
-`rla_lib.monitor.MismatchCallback` (keys and units in `rla_lib.monitor`): `mismatch/k1` (the paper's
+`rla_lib.align.monitor.MismatchCallback` (keys and units in `rla_lib.align.monitor`): `mismatch/k1` (the paper's
 estimator), `mismatch/k3`, and `mismatch/exact_kl` where the vocabulary is small enough to compare whole
 distributions (`Engine.spec.small_vocab`). The exact KL needs what TRL never materialises: the engine's full
 distribution comes from scoring the same tokens (`Engine.score(full_vocab=True)`, a prefill pass, as in
@@ -46,10 +46,9 @@ import warnings
 import torch
 from datasets import Dataset
 
+from .align.monitor import TIS_CAP, MismatchCallback
 from .engine import Engine, import_vllm
-from .kl import TIS_CAP
 from .models import SUPPORTED_ARCHITECTURES, load_tokenizer
-from .monitor import MismatchCallback
 from .task import Problem, make_split, reward
 
 import_vllm()  # importing trl imports vLLM: first here, with the engine's settings (the caller's environment kept)

@@ -25,7 +25,8 @@ repo = Path(sys.argv[1]).resolve()
 environment = dict(os.environ)  # after Transformers' own imports: what rla_lib changes, if anything
 
 import rla_lib  # noqa: E402
-from rla_lib import monitor, paths  # noqa: E402
+from rla_lib import paths  # noqa: E402
+from rla_lib.align import monitor  # noqa: E402
 from rla_lib.align import REGIONS, align, current  # noqa: E402
 
 assert Path(rla_lib.__file__).is_relative_to(sysconfig.get_paths()["purelib"]), rla_lib.__file__
@@ -85,6 +86,31 @@ metrics = monitor.mismatch_metrics(lp(stock), lp(aligned), mask)
 assert metrics["mismatch/tokens"] == sum(map(len, stock)) and metrics["mismatch/k3"] >= 0, metrics
 report["monitor, qwen3-tiny stock vs aligned"] = {k: metrics[k] for k in ("mismatch/tokens", "mismatch/k1", "mismatch/k3")}
 report["task split"] = len(task.load_split())
+
+# The fix alone, as a trainer takes it home: a schedule file (compiled vLLM-CPU's, with its attention kernel's numerics,
+# written as `rla schedule` writes one) applied by `rla_lib.align`, where neither vLLM nor pandas nor matplotlib is
+# installed (the environments of the other Transformers releases) or, with the engine extra, where none was loaded.
+import importlib.util  # noqa: E402
+import tempfile  # noqa: E402
+
+from rla_lib.align import align_to_engine, save_schedule  # noqa: E402
+
+lab_only = ("vllm", "pandas", "matplotlib")
+if "--engine" not in sys.argv:
+    assert all(importlib.util.find_spec(m) is None for m in lab_only), "this environment should lack the lab's packages"
+schedule = {"format": rla_lib.align.SCHEDULE_FORMAT, "engine": "vllm:compiled",
+            "align": {"regions": list(REGIONS), "options": {"rope_cos_sin": "bf16", "rope_qk_norm": "fp32",
+                                                             "norm_weight": "fp32", "residual_stream": "fp32"}},
+            "attention": {"numerics": "vllm_cpu_avx2"}}
+with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+    handle = align_to_engine(model, save_schedule(schedule, Path(folder) / "schedule.json"))
+    engine_aligned = token_logprobs(model, sequences)
+    handle.undo()
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(token_logprobs(model, sequences), stock))
+differing = sum(int((torch.as_tensor(a) != torch.as_tensor(b)).sum()) for a, b in zip(engine_aligned, stock))
+assert differing > 0, "the schedule changed no logprob"
+assert not [m for m in sys.modules if m.split(".")[0] in lab_only], "the fix loaded a package of the lab's"
+report["schedule file applied by rla_lib.align"] = {"logprobs differing from stock": differing}
 
 if "--engine" in sys.argv:
     from rla_lib.machine import vllm_cpu_attention_kernel

@@ -5,6 +5,7 @@ The references below are written from the region definitions, independently of r
 reproduce stock Transformers bit for bit when no region is on.
 """
 
+import inspect
 import re
 import sys
 
@@ -24,7 +25,8 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from rla_lib import align as rla
-from rla_lib import align_versions
+from rla_lib.align import versions as align_versions
+from rla_lib.align.modeling_qwen import FusedSwiGLU
 from rla_lib.paths import ROOT
 
 
@@ -517,7 +519,7 @@ def test_fused_swiglu_kernel_on_a_large_odd_shape():
     up = torch.randn(3, 37, 3072, generator=generator).to(BF16).requires_grad_()
     weights = torch.randn(3072, generator=generator)
     results = []
-    for swiglu in (lambda g, u: (F.silu(g.float()) * u.float()).to(BF16), rla._FusedSwiGLU.apply):
+    for swiglu in (lambda g, u: (F.silu(g.float()) * u.float()).to(BF16), FusedSwiGLU.apply):
         gate.grad = up.grad = None
         out = swiglu(gate, up)
         (out.float() * weights).sum().backward()
@@ -693,9 +695,9 @@ def test_every_supported_series_is_tested():
 
 
 def test_changed_source_text_is_refused(monkeypatch):
-    original = rla.inspect.getsource
+    original = inspect.getsource
     monkeypatch.setattr(
-        rla.inspect, "getsource", lambda obj: original(obj) + ("# edited\n" if obj.__name__ == "rotate_half" else "")
+        inspect, "getsource", lambda obj: original(obj) + ("# edited\n" if obj.__name__ == "rotate_half" else "")
     )
     with pytest.raises(RuntimeError, match="rotate_half differs"):
         rla.align(build("qwen2"))

@@ -1,4 +1,4 @@
-"""The "attention" region of rla_lib.align (kernels in rla_lib.attention) on tiny Qwen2/Qwen3 models.
+"""The "attention" region of rla_lib.align (kernels in rla_lib.align.attention) on tiny Qwen2/Qwen3 models.
 
 References, each independent of the region's code: Transformers' own eager attention (a model loaded with
 attn_implementation="eager"), notebook 02b's inline variants installed as the model's attention function (what
@@ -13,8 +13,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rla_lib import align as rla
-from rla_lib import align_versions
-from rla_lib import attention as rla_attention
+from rla_lib.align import versions as align_versions
+from rla_lib.align import attention as rla_attention
 
 
 KERNEL_FUNCTIONS = rla_attention.KERNELS

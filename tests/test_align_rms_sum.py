@@ -9,9 +9,10 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from rla_lib import align as rla
-from rla_lib.qwen_layer import rms_normalize as layer_rms_normalize
-from rla_lib.vector_sums import rms_sum_layouts, rms_sum_spec, straight_through
-from rla_lib.graphs import parse_output_code, read_points, schedule, schedule_to_align_kwargs
+from rla_lib.align.modeling_qwen import rms_normalize as layer_rms_normalize
+from rla_lib.align.vector_sums import rms_sum_layouts, rms_sum_spec, straight_through
+from rla_lib.align.schedule import schedule_to_align_kwargs
+from rla_lib.graphs import parse_output_code, read_points, schedule
 from rla_lib.graphs.inductor import float_sum_layout
 from rla_lib.models import load_model
 

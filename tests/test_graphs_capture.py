@@ -3,6 +3,7 @@ in a subprocess)."""
 
 import pytest
 
+from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib import graphs
 from rla_lib.align import REGIONS
 from test_graphs_inductor import COMPILED_CPU
@@ -26,7 +27,7 @@ def test_real_compiled_cache_from_this_run(tmp_path, monkeypatch):
     assert {k: summary[k] for k in COMPILED_CPU} == COMPILED_CPU
     assert summary["lm_head.output"] == "bf16"  # the logits processor, traced: vLLM runs it outside the graph
     sched = graphs.schedule(points, "vllm:compiled")
-    assert graphs.schedule_to_align_kwargs(sched)[0] == REGIONS and sched["align"]["exact"]
+    assert schedule_to_align_kwargs(sched)[0] == REGIONS and sched["align"]["exact"]
 
 
 def test_seeding_copies_what_the_target_lacks_never_replaces_and_skips_locks(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib import graphs
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -58,7 +59,7 @@ def test_amx_code_reads_as_the_same_schedule():
     amx, onednn = (graphs.schedule(graphs.read_points(graphs.parse_output_code(c))) for c in (AMX_CODE, CPU_CODE))
     rounded = lambda s: {k: (v["value"], v["per_layer"]) for k, v in s["points"].items()}  # kernel names differ
     assert rounded(amx) == rounded(onednn)
-    assert graphs.schedule_to_align_kwargs(amx) == graphs.schedule_to_align_kwargs(onednn)
+    assert schedule_to_align_kwargs(amx) == schedule_to_align_kwargs(onednn)
 
 
 def test_triton_code_fixture():
@@ -67,7 +68,7 @@ def test_triton_code_fixture():
     s = p.summary()
     assert (s["post_norm.sum"], s["final_norm.carried"], s["post_norm.normalized"]) == ("fp32", "bf16", "fp32")
     assert (s["rope.cos_sin"], s["rope.products"], s["swiglu.silu"], s["qk_norm.output"]) == ("bf16", "fp32", "fp32", "n/a")
-    regions, options = graphs.schedule_to_align_kwargs(graphs.schedule(p))
+    regions, options = schedule_to_align_kwargs(graphs.schedule(p))
     assert regions == ("rope", "swiglu", "residual_norm")
     assert options == {"residual_stream": "bf16", "norm_weight": "fp32", "rope_cos_sin": "bf16"}
 

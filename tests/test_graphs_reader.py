@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
+from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib import graphs
 from rla_lib.graphs.points import Held, Mixed, Split, combine, parse_value
 from test_graphs_inductor import CPU_CODE, EAGER_TRACE
@@ -32,7 +33,7 @@ def test_eager_vllm_trace_fixture():
     s = graphs.read_points(g).summary()
     assert {k: s[k] for k in EAGER_CPU} == EAGER_CPU
     sched = graphs.schedule(graphs.read_points(g), "vllm:eager")
-    assert graphs.schedule_to_align_kwargs(sched) == (
+    assert schedule_to_align_kwargs(sched) == (
         ("rope", "residual_norm"),
         {"residual_stream": "bf16", "norm_weight": "stock", "rope_cos_sin": "bf16", "rope_qk_norm": "stock"})
     assert sched["align"]["exact"] and not graphs.schedule_notes(sched)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from rla_lib.align.schedule import ScheduleFileError, load_schedule, save_schedule, schedule_to_align_kwargs
 from rla_lib import graphs
 from rla_lib.align import REGIONS, AlignOptions, current
 from rla_lib.engine_align import align_to_engine
@@ -23,9 +24,9 @@ def effective(regions, options, family):
 
 def test_schedule_json_roundtrip_and_apply(tmp_path):
     sched = graphs.schedule(graphs.read_points(graphs.parse_output_code(CPU_CODE)), "vllm:compiled")
-    path = graphs.save_schedule(sched, tmp_path / "schedule.json")
-    loaded = graphs.load_schedule(path)
-    regions, options = graphs.schedule_to_align_kwargs(loaded)
+    path = save_schedule(sched, tmp_path / "schedule.json")
+    loaded = load_schedule(path)
+    regions, options = schedule_to_align_kwargs(loaded)
     assert regions == REGIONS
     sums = options.pop("rms_sum")  # how each norm sums x², per layer (tests/test_align_rms_sum.py)
     assert options == {"rope_cos_sin": "bf16", "rope_qk_norm": "fp32", "norm_weight": "fp32", "residual_stream": "fp32"}
@@ -37,15 +38,15 @@ def test_schedule_json_roundtrip_and_apply(tmp_path):
     assert current(model) == (regions, AlignOptions(**options))
     handle.undo()
     assert current(model) is None
-    with pytest.raises(graphs.GraphParseError):
+    with pytest.raises(ScheduleFileError):
         (tmp_path / "other.json").write_text('{"format": "something else"}')
-        graphs.load_schedule(tmp_path / "other.json")
+        load_schedule(tmp_path / "other.json")
 
 
 @pytest.mark.parametrize("text, error, message", [
     (None, FileNotFoundError, "no such schedule file"),
-    ('{"format": ', graphs.GraphParseError, "the file is not JSON"),
-    ("[1, 2]", graphs.GraphParseError, "not a rounding schedule"),
+    ('{"format": ', ScheduleFileError, "the file is not JSON"),
+    ("[1, 2]", ScheduleFileError, "not a rounding schedule"),
 ])
 def test_a_bad_schedule_file_is_named_with_what_was_expected(tmp_path, text, error, message):
     path = tmp_path / "schedule.json"
@@ -72,7 +73,7 @@ def test_applying_a_schedule_reproduces_its_settings(family, regions, options):
     model = tiny(family)
     points = graphs.read_points(graphs.training_graph(model, regions, options))
     sched = graphs.schedule(points, "hf:aligned")
-    got = graphs.schedule_to_align_kwargs(sched)
+    got = schedule_to_align_kwargs(sched)
     assert effective(*got, family) == effective(regions, options, family)
     assert sched["align"]["exact"], sched["align"]["notes"]
     # and aligning to that schedule rounds exactly where the traced model did

@@ -1,4 +1,4 @@
-"""Sequences longer than one of vLLM-CPU's KV tiles (rla_lib.attention.kv_tiles): the tile sizes as the engine's
+"""Sequences longer than one of vLLM-CPU's KV tiles (rla_lib.align.attention.kv_tiles): the tile sizes as the engine's
 scheduler derives them from the L2 cache, the tiled online softmax (a max that moves lazily, lanes restarting per
 tile, the partial output rescaled), and the engine-aligned training side bit for bit vLLM's on a long sequence."""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rla_lib import attention, native
-from rla_lib.attention import _to_model_dtype, kv_tile, kv_tiles, prefill_q_tile
+from rla_lib.align import attention, native
+from rla_lib.align.attention import _to_model_dtype, kv_tile, kv_tiles, prefill_q_tile
 from rla_lib.engine import Engine
 from rla_lib.engine_align import align_to_engine, kernel_numerics
 from rla_lib.machine import describe, vllm_cpu_attention_kernel

@@ -251,8 +251,9 @@ def test_the_results_cache_key_covers_every_core_source_and_no_study(tmp_path, m
     """The key follows the package's files, not a hand list: the C kernels, the child processes' start-up code and
     every core module can change a score (a study cannot); editing one changes the key."""
     names = {str(p.relative_to(mismatch.PACKAGE)) for p in mismatch.core_sources()}
-    assert {"native_kernels.c", "native.py", "vector_sums.py", "engine_process.py", "logit_noise.py", "align_versions.py",
-            "child_site/sitecustomize.py", "graphs/reader.py", "align.py", "scoring.py"} <= names
+    assert {"native_kernels.c", "native.py", "align/vector_sums.py", "engine_process.py", "logit_noise.py", "align/versions.py",
+            "child_site/sitecustomize.py", "graphs/reader.py", "align/patch.py", "align/kernels.c", "align/vector.h",
+            "scoring.py"} <= names
     assert not any(n.startswith("studies/") for n in names)
     package = tmp_path / "rla_lib"
     for name in names:

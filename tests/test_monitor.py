@@ -9,7 +9,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 
 from rla_lib import kl
-from rla_lib.monitor import PREFIX, MismatchCallback, MismatchMeter, combine, mismatch_metrics
+from rla_lib.align.monitor import PREFIX, MismatchCallback, MismatchMeter, combine, mismatch_metrics
 
 NAN = float("nan")
 
@@ -213,7 +213,7 @@ def test_callback_adds_the_keys_to_the_logs_and_the_history():
 
 def test_importing_the_monitor_loads_no_plotting_library():
     """A trainer that imports the monitor pays for what it uses: no matplotlib (the monitor's plot imports it)."""
-    code = "import sys, rla_lib.monitor; print('matplotlib' in sys.modules)"
+    code = "import sys, rla_lib.align.monitor; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

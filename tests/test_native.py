@@ -10,9 +10,10 @@ import torch
 
 import torch.nn.functional as F
 
-from rla_lib import attention as rla_attention
-from rla_lib import machine, native, vector_sums
-from rla_lib.vector_sums import lane_tree_sum
+from rla_lib.align import attention as rla_attention
+from rla_lib import machine, native
+from rla_lib.align import vector_sums
+from rla_lib.align.vector_sums import lane_tree_sum
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the torch-op loops are the only path")
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rla_lib import machine
-from rla_lib.attention import ROUNDS_TO_NEAREST, VLLM_CPU_BUILDS
+from rla_lib.align.attention import ROUNDS_TO_NEAREST, VLLM_CPU_BUILDS
 from rla_lib.studies import op_check
 from rla_lib.engine_align import with_attention, with_rope_rounding
 from rla_lib.graphs import Graph, read_points
@@ -43,7 +43,7 @@ def test_captures_hold_every_point(captures):
 
 
 @pytest.mark.skipif(not ATTENTION_REPRODUCED, reason=f"vLLM runs its {KERNEL} attention kernel here, which no numerics "
-                    "of rla_lib.attention reproduces yet")
+                    "of rla_lib.align.attention reproduces yet")
 def test_vllm_cpu_attention_is_the_engines_bit_for_bit(captures):
     table = op_check.attention_kernels(captures, load_model("qwen3-tiny").config).set_index("numerics")
     assert table.loc[NUMERICS, "differing"] == 0 and table.loc[NUMERICS, "elements"] > 10_000

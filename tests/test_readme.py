@@ -179,7 +179,8 @@ def readme_settings() -> dict[str, object]:
     import random
     from importlib import metadata
 
-    from rla_lib import align_versions, grpo, paper, pretrain, real_shape, task
+    from rla_lib import grpo, paper, pretrain, real_shape, task
+    from rla_lib.align import versions as align_versions
     from tools import lab
     from rla_lib.machine import _version
     from rla_lib.paths import MODELS_DIR

@@ -8,9 +8,8 @@ the diff in code, for whatever engine version, backend and compile settings prod
     points = {"vllm:compiled": read_points(g),           # per layer: is each value rounded where it is read?
               "hf:bf16:none": read_points(training_graph("qwen3-tiny"))}
     points_table(points); rounding_diff(points, "vllm:compiled"); kernel_table(g, points["vllm:compiled"])
-    sched = schedule(points["vllm:compiled"])            # the rounding schedule (JSON: save_schedule)
-    regions, options = schedule_to_align_kwargs(sched)   # -> rla_lib.align.align(model, regions, **options)
-    # rla_lib.engine_align.align_to_engine(model, sched) applies it (with the engine's attention numerics)
+    sched = schedule(points["vllm:compiled"])            # the rounding schedule (JSON: rla_lib.align.save_schedule)
+    handle = align_to_engine(model, sched)               # rla_lib.align: round where that engine rounds
 
 `read_sides(model)` does this for vLLM compiled, vLLM eager, torch.compile of Transformers and stock
 Transformers at once; `python -m rla_lib.graphs capture MODEL {vllm|hf} {compiled|eager} DIR` makes a capture
@@ -40,7 +39,8 @@ and whether producing it rounds to BF16 (`rounds`). Modules, in reading order:
   x·sigmoid(x)·up = SwiGLU, products with a table gathered by position or with cos/sin = RoPE, matmul and
   attention nodes as anchors), one detector per region, and reads per layer whether each value is held in
   BF16 or FP32 where the next op reads it.
-- `schedules`: the rounding schedule (JSON) and its mapping to `rla_lib.align` options.
+- `schedules`: the rounding schedule written from the points, their mapping to `rla_lib.align` options (the file
+  format and applying it are `rla_lib.align.schedule`'s).
 - `tables`: `points_table`, `rounding_diff`, `kernel_table`, `plot_layer_chain`.
 - `captures`: compile caches found and parsed, engine runs captured in a subprocess, `read_sides`.
 
@@ -57,8 +57,7 @@ _EXPORTS = {
     "aten": ("AtenTracer", "default_ids", "trace_forward", "training_graph"),
     "points": ("FINAL", "FINAL_POINTS", "LAYER_POINTS", "POINT_INFO", "Held", "Mixed", "Points", "Split"),
     "reader": ("AnalysisError", "read_points"),
-    "schedules": ("SCHEDULE_FORMAT", "export_schedule", "load_schedule", "save_schedule",
-                 "schedule", "schedule_notes", "schedule_to_align_kwargs"),
+    "schedules": ("export_schedule", "schedule", "schedule_notes"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
     "captures": ("SIDES", "capture", "capture_dir", "engine_graph", "find_output_code", "merge_graphs", "parse_cache",
                 "read_sides", "capture_sides", "seed_compile_cache", "side_graph"),

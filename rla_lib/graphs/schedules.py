@@ -1,6 +1,7 @@
-"""The rounding schedule: the points read off an engine, as JSON, and their mapping to `rla_lib.align` options.
+"""The rounding schedule written from the points read off an engine: their mapping to `rla_lib.align` options.
 
-The mapping is one rule per align region (`_RULES`): each reads the schedule's point values and sets its
+The file format, and applying a schedule, are the fix's (`rla_lib.align.schedule`); the reader writes the "align"
+section it reads. The mapping is one rule per align region (`_RULES`): each reads the schedule's point values and sets its
 region and options, with a note wherever the engine does something the options cannot express. Points no
 rule owns must round as stock Transformers does (`_FIXED_POINTS`). A new align option is one more rule.
 """
@@ -8,16 +9,15 @@ rule owns must round as stock Transformers does (`_FIXED_POINTS`). A new align o
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ..align import REGIONS
+from ..align.schedule import SCHEDULE_FORMAT, save_schedule
+from ..align.vector_sums import NORM_KINDS
 from ..models import resolve_model
-from ..vector_sums import NORM_KINDS, rms_sum_spec
-from .graph import GRAPHS_DIR, GraphParseError, atomic_write_json
+from .graph import GRAPHS_DIR
 from .points import FINAL, FINAL_POINTS, LAYER_POINTS, Held, Mixed, Points, Split, combine_counts, parse_value
 
-SCHEDULE_FORMAT = "rla-rounding-schedule/1"
 # points no align option changes: the engine must round them as Transformers does
 _FIXED_POINTS = ("input_norm.output", "qkv_proj.output", "rope.output", "attention.output", "o_proj.output",
                  "post_norm.output", "gate_up_proj.output", "swiglu.output", "down_proj.output", "final_norm.output",
@@ -170,52 +170,12 @@ def schedule(points: Points, engine: str | None = None, meta: dict | None = None
     }
 
 
-def save_schedule(sched: dict, path) -> Path:
-    return atomic_write_json(path, sched)
-
-
-def load_schedule(path) -> dict:
-    """A schedule file (`save_schedule`, `rla schedule`), refused with its name where it is missing or not one."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: no such schedule file (`rla schedule` or `engine_schedule_for` writes one)")
-    try:
-        d = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise GraphParseError(f"{path}: not a rounding schedule, the file is not JSON ({error}); write it again with "
-                              "`rla schedule`") from None
-    if not isinstance(d, dict) or d.get("format") != SCHEDULE_FORMAT:
-        raise GraphParseError(f"{path}: not a rounding schedule ({SCHEDULE_FORMAT})")
-    return d
-
-
-def _summary(sched: dict) -> dict:
+def schedule_notes(sched: dict) -> list[str]:
+    """What the align options cannot express of the engine's schedule (its points read again)."""
     if sched.get("format") != SCHEDULE_FORMAT:
         raise ValueError(f"not a rounding schedule ({SCHEDULE_FORMAT}): format {sched.get('format')!r}")
-    return {k: v["value"] for k, v in sched["points"].items()}
-
-
-def schedule_to_align_kwargs(sched: dict):
-    """(regions, options) for rla_lib.align.align from a schedule's points (its 'align' section is not read), how
-    its norms sum (a "sums" section, read from C++ inductor code), its attention numerics where the schedule has
-    them (an "attention" section: `rla_lib.engine_align`) and how its rotary kernel rounds (a "rope_rounding"
-    section, same).
-
-    Notes on what the options cannot express are in `schedule_notes(sched)`.
-    """
-    regions, options, _ = _align_mapping(_summary(sched), sched.get("has_qk_norm", True))
-    if sched.get("sums") and any(r in regions for r in ("rope", "residual_norm")):
-        options = options | {"rms_sum": rms_sum_spec(sched["sums"])}
-    rounding = sched.get("rope_rounding", {}).get("rounding")
-    if rounding and "rope" in regions:
-        options = options | {"rope_rounding": rounding}
-    numerics = sched.get("attention", {}).get("numerics")
-    if numerics:
-        regions, options = (*regions, "attention"), options | {"attention": numerics}
-    return regions, options
-
-
-def schedule_notes(sched: dict) -> list[str]:
-    return _align_mapping(_summary(sched), sched.get("has_qk_norm", True))[2]
+    summary = {k: v["value"] for k, v in sched["points"].items()}
+    return _align_mapping(summary, sched.get("has_qk_norm", True))[2]
 
 
 def export_schedule(points: Points, model, side: str, directory=None) -> Path:

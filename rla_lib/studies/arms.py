@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..align import REGIONS
+from ..align.monitor import TIS_CAP
+from ..align.schedule import schedule_to_align_kwargs
 from ..engine import Engine
 from ..engine_align import engine_schedule_for
-from ..graphs import schedule_to_align_kwargs
 from ..grpo import run
-from ..kl import TIS_CAP
 from ..machine import release_memory
 from ..paths import slug
 

@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from .. import task
+from ..align.modeling_qwen import ROUNDING_POINTS
 from ..models import load_model, load_tokenizer, resolve_model
 from .prerounding import (LOCATION_BY_NAME, ROPE_LOCATIONS, capture_prerounding, capture_rope_at_positions,
                           positions_label, task_positions, uniform_positions)
@@ -39,15 +40,22 @@ NOTABLE_SHARE = 0.02
 # A net rounding error this many times its standard error is named as a direction.
 ERROR_SE_MULTIPLE = 3
 
+
+
+def _points(kind: str, suffix: str = "") -> list[str]:
+    """The layer's rounding points of one kind (`modeling_qwen.Point.kind`), those whose name ends in `suffix`."""
+    return [p.name for p in ROUNDING_POINTS if p.kind == kind and p.name.endswith(suffix)]
+
+
 PAPER_CLAIMS = {
-    "projections near-uniform": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "attention output near-uniform": ["attention"],
-    "RMSNorm output near-uniform (x*rsqrt stage)": ["input_norm.rsqrt", "post_norm.rsqrt"],
-    "RMSNorm output near-uniform (after the weight)": ["input_norm.weight", "post_norm.weight"],
-    "SiLU output clustered": ["silu"],
-    "RoPE products clustered (q*cos)": ["rope.q_cos", "rope.k_cos"],
-    "RoPE products clustered (rotate_half(q)*sin)": ["rope.q_sin", "rope.k_sin"],
-    "residual sums clustered": ["residual_attn", "residual_mlp"],
+    "projections near-uniform": _points("projection"),
+    "attention output near-uniform": _points("attention"),
+    "RMSNorm output near-uniform (x*rsqrt stage)": _points("RMSNorm x*rsqrt"),
+    "RMSNorm output near-uniform (after the weight)": _points("RMSNorm *weight"),
+    "SiLU output clustered": _points("SiLU"),
+    "RoPE products clustered (q*cos)": _points("RoPE product", "_cos"),
+    "RoPE products clustered (rotate_half(q)*sin)": _points("RoPE product", "_sin"),
+    "residual sums clustered": _points("residual sum"),
 }
 # The columns of the summary a reader compares, in this order (the saved table names "median" "score").
 SUMMARY_COLUMNS = ["group", "paper", "median", "min", "max", "floor", "x_floor", "n", "exact_frac", "tie_frac",

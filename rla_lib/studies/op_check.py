@@ -7,7 +7,7 @@
 The engine runs in eager mode (its modules one by one, so forward hooks see each op), in-process in a subprocess,
 and scores the sequences one at a time: hooks keep the input and output of every linear layer and of attention,
 the final norm's output and the engine's token logprobs. The training side then scores the same sequences through
-the layer's own rounding points (`rla_lib.qwen_layer`, `align(..., replay=...)`): at each point where the engine
+the layer's own rounding points (`rla_lib.align.modeling_qwen`, `align(..., replay=...)`): at each point where the engine
 hands a value over, its value is compared with the engine's and the engine's is put in its place. Every op so
 starts from the engine's own inputs and each count of differing elements is that op's own, not carried in from
 earlier layers. A compiled engine runs its graph as one kernel per fusion, which hooks cannot
@@ -34,9 +34,10 @@ import pandas as pd
 import torch
 
 from ..align import align
-from ..attention import KERNELS as ATTENTION_KERNELS
+from ..align.attention import KERNELS as ATTENTION_KERNELS
+from ..align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
+from ..align.schedule import load_schedule, schedule_to_align_kwargs
 from ..engine import Engine
-from ..graphs import load_schedule, schedule_to_align_kwargs
 from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
 from ..mismatch import core_digest
 from ..models import resolve_model
@@ -45,8 +46,6 @@ from ..scoring import head_logprobs, pad_batch
 from ..task import load_split
 
 OP_CHECK_DIR = RESULTS_DIR / "op_check"
-LAYER_POINTS = ("input_norm", "q_proj", "k_proj", "v_proj", "attention", "o_proj", "post_norm", "gate_proj", "up_proj",
-                "swiglu", "down_proj")
 
 
 # ---- the engine side: in-process vLLM with hooks (run by `captured` in a subprocess) ------------------------------
@@ -124,12 +123,11 @@ class _Tally:
                              for (layer, point), (d, n, m) in self.rows.items()])
 
 
-# The layer's rounding points (`qwen_layer.POINTS`) at which the engine's modules hand over a value, by the name this
-# check reports them under: the norms' outputs are the inputs of the projections after them, attention's the input of
-# o_proj, the SwiGLU product the input of down_proj.
-CHECKED = {"input_norm.weight": "input_norm", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-           "attention": "attention", "o_proj": "o_proj", "post_norm.weight": "post_norm", "gate_proj": "gate_proj",
-           "up_proj": "up_proj", "swiglu": "swiglu", "down_proj": "down_proj", "final_norm.weight": "final_norm"}
+# The layer's rounding points at which the engine's modules hand over a value (`modeling_qwen.Point.handed_over`), by
+# the name this check reports them under (a norm's output by the norm's name): the norms' outputs are the inputs of the
+# projections after them, attention's the input of o_proj, the SwiGLU product the input of down_proj.
+CHECKED = {p.name: p.name.removesuffix(".weight") for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS if p.handed_over}
+LAYER_POINTS = tuple(CHECKED[p.name] for p in ROUNDING_POINTS if p.handed_over)  # in the order the layer computes
 
 
 def engine_values(points: dict, config) -> dict:
@@ -163,7 +161,7 @@ class _Forcing:
 
 def teacher_forced(model, captures: dict, schedule: dict | str | Path | None = None, regions=(), **options) -> pd.DataFrame:
     """Per layer and point: how many elements of the training side's value differ from the engine's, when every
-    op is fed the engine's inputs. The training side is `model` (stock) run through `rla_lib.qwen_layer`, aligned to
+    op is fed the engine's inputs. The training side is `model` (stock) run through `rla_lib.align.modeling_qwen`, aligned to
     an engine `schedule` (a dict or its file) or to `regions` with `options` as `align` takes them.
 
     The linear layers run torch's BF16 GEMM here whatever the CPU: it is the engine's own kernel at every level
@@ -192,7 +190,7 @@ def teacher_forced(model, captures: dict, schedule: dict | str | Path | None = N
 
 
 def attention_kernels(captures: dict, config) -> pd.DataFrame:
-    """Each attention numerics of `rla_lib.attention` on the engine's own post-RoPE q/k/v, against its output."""
+    """Each attention numerics of `rla_lib.align.attention` on the engine's own post-RoPE q/k/v, against its output."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)  # what the kernels read

@@ -1,12 +1,12 @@
 """Where the stock Transformers model rounds (Qwen2/Qwen3, BF16), and the values it is about to round.
 
 `capture_prerounding(model, input_ids, attention_mask)` runs the stock model once, and once more with every
-module's forward bound to `rla_lib.qwen_layer` under the stock rounding policy (`align(model, (), record=...)`):
+module's forward bound to `rla_lib.align.modeling_qwen` under the stock rounding policy (`align(model, (), record=...)`):
 each op runs exactly as the stock model runs it, so the two forwards must agree bit for bit (checked), and at each
 rounding point the op's FP32 value on the upcast inputs is recorded: the value the op had just before it was stored
-to BF16. `LOCATIONS` lists the locations (q/k/v/o/gate/up/down projections, the attention output, RMSNorm x*rsqrt
-before and after the weight, Qwen3's Q/K norms, the RoPE products and sums, SiLU, the SwiGLU product and both
-residual sums) with what the paper reports of each kind. For pointwise ops the FP32 value is exact: rounding it gives
+to BF16. `LOCATIONS` lists the locations, the layer's rounding points (`modeling_qwen.ROUNDING_POINTS`: q/k/v/o/gate/up/down
+projections, the attention output, RMSNorm x*rsqrt before and after the weight, Qwen3's Q/K norms, the RoPE products
+and sums, SiLU, the SwiGLU product and both residual sums) with what the paper reports of each kind (`PAPER`). For pointwise ops the FP32 value is exact: rounding it gives
 the stock BF16 tensor bit for bit. For matmuls it is an FP32 recomputation whose accumulation order differs from the
 BF16 kernel's, so rounding it reproduces the stock tensor except for rare one-step differences (more than 99.9% of
 elements equal). For attention with "sdpa" on CPU it mirrors PyTorch's BF16 flash kernel
@@ -44,7 +44,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..align import REGIONS, align, aligned, current
 from ..machine import has_fp32_matmul
-from ..qwen_layer import Rounding, rotary
+from ..align.modeling_qwen import POINTS, ROUNDING_POINTS, Point, Rounding, rotary
 from ..rounding import region_difference
 
 
@@ -57,37 +57,22 @@ class Location:
     qwen3_only: bool = False
 
 
-LOCATIONS = tuple(
-    Location(*row)
-    for row in [
-        ("q_proj", "projection", "near-uniform", False),
-        ("k_proj", "projection", "near-uniform", False),
-        ("v_proj", "projection", "near-uniform", False),
-        ("q_norm.rsqrt", "Q/K norm x*rsqrt", "near-uniform", True, True),
-        ("q_norm.weight", "Q/K norm *weight", "near-uniform", True, True),
-        ("k_norm.rsqrt", "Q/K norm x*rsqrt", "near-uniform", True, True),
-        ("k_norm.weight", "Q/K norm *weight", "near-uniform", True, True),
-        ("rope.q_cos", "RoPE product", "clustered", True),
-        ("rope.q_sin", "RoPE product", "clustered", True),
-        ("rope.q_sum", "RoPE sum", "not reported", True),
-        ("rope.k_cos", "RoPE product", "clustered", True),
-        ("rope.k_sin", "RoPE product", "clustered", True),
-        ("rope.k_sum", "RoPE sum", "not reported", True),
-        ("attention", "attention", "near-uniform", False),
-        ("o_proj", "projection", "near-uniform", False),
-        ("residual_attn", "residual sum", "clustered", True),
-        ("input_norm.rsqrt", "RMSNorm x*rsqrt", "near-uniform", True),
-        ("input_norm.weight", "RMSNorm *weight", "near-uniform", True),
-        ("post_norm.rsqrt", "RMSNorm x*rsqrt", "near-uniform", True),
-        ("post_norm.weight", "RMSNorm *weight", "near-uniform", True),
-        ("gate_proj", "projection", "near-uniform", False),
-        ("up_proj", "projection", "near-uniform", False),
-        ("silu", "SiLU", "clustered", True),
-        ("swiglu", "SwiGLU product", "not reported", True),
-        ("down_proj", "projection", "near-uniform", False),
-        ("residual_mlp", "residual sum", "clustered", True),
-    ]
-)
+# What the paper reports of each kind of rounding point
+PAPER = {"projection": "near-uniform", "Q/K norm x*rsqrt": "near-uniform", "Q/K norm *weight": "near-uniform",
+         "RoPE product": "clustered", "RoPE sum": "not reported", "attention": "near-uniform",
+         "residual sum": "clustered", "RMSNorm x*rsqrt": "near-uniform", "RMSNorm *weight": "near-uniform",
+         "SiLU": "clustered", "SwiGLU product": "not reported"}
+
+
+def _table_order(point: Point) -> tuple[int, int]:
+    """The layer's order, but the input norm listed with the residual stream's (after the attention sum it reads)."""
+    if point.name.startswith("input_norm."):
+        return POINTS.index("residual_attn"), 1
+    return POINTS.index(point.name), 0
+
+
+LOCATIONS = tuple(Location(p.name, p.kind, PAPER[p.kind], p.exact, p.qwen3_only)
+                  for p in sorted(ROUNDING_POINTS, key=_table_order))
 LOCATION_BY_NAME = {loc.name: loc for loc in LOCATIONS}
 
 
@@ -116,7 +101,7 @@ def _check_capturable(model) -> torch.nn.Module:
         raise TypeError(f"capture_prerounding expects a Qwen2/Qwen3 *ForCausalLM or *Model, got {type(model).__name__}.")
     arch = type(base).__name__
     if arch not in ("Qwen2Model", "Qwen3Model"):
-        raise TypeError(f"capture_prerounding supports Qwen2/Qwen3 only (rla_lib.qwen_layer is their layer), got {arch}.")
+        raise TypeError(f"capture_prerounding supports Qwen2/Qwen3 only (rla_lib.align.modeling_qwen is their layer), got {arch}.")
     dtype = base.embed_tokens.weight.dtype
     if dtype != torch.bfloat16:
         raise TypeError(f"capture_prerounding needs a BF16 model (it records what BF16 rounds); this one is {dtype}.")
@@ -151,20 +136,20 @@ def capture_prerounding(model, input_ids, attention_mask=None, *, layers: Iterab
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     stock = base(**kwargs).last_hidden_state
     rec = _Recorder(set(wanted_layers), wanted_locs)
-    handle = align(base, (), record=rec)  # every module through rla_lib.qwen_layer, rounding where stock rounds
+    handle = align(base, (), record=rec)  # every module through rla_lib.align.modeling_qwen, rounding where stock rounds
     try:
         recorded = base(**kwargs).last_hidden_state
     finally:
         handle.undo()
     if not torch.equal(recorded.view(torch.int16), stock.view(torch.int16)):
         raise RuntimeError("the recording forward differs from the stock one: the modeling code is not the one "
-                           "rla_lib.qwen_layer was written against (rla_lib.align_versions lists the verified releases).")
+                           "rla_lib.align.modeling_qwen was written against (rla_lib.align.versions lists the verified releases).")
     fp32 = {k: v for k, v in rec.fp32.items() if v}
     bf16 = {k: v for k, v in rec.bf16.items() if v}
     return (fp32, bf16) if return_bf16 else fp32
 
 
-ROPE_LOCATIONS = ("rope.q_cos", "rope.q_sin", "rope.q_sum", "rope.k_cos", "rope.k_sin", "rope.k_sum")
+ROPE_LOCATIONS = tuple(p for p in POINTS if p.startswith("rope."))
 
 
 @torch.no_grad()
@@ -205,7 +190,7 @@ def rope_prerounding(model, rope_inputs: dict, position_ids) -> dict:
     `rope_inputs` (`capture_rope_inputs`) sat at `position_ids` (B, T): {location: {layer: (B, T, H, D)}}.
 
     cos and sin come from the model's own `rotary_emb` (its rope_theta and rope type) in BF16, as in the
-    stock forward, and the arithmetic is the stock `apply_rotary_pos_emb`'s, op by op (`qwen_layer.rotary`). The
+    stock forward, and the arithmetic is the stock `apply_rotary_pos_emb`'s, op by op (`modeling_qwen.rotary`). The
     q/k values are the captured ones: what changes with position is the rotation, not the values rotated.
     """
     base = _check_capturable(model)

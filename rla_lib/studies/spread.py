@@ -27,6 +27,7 @@ import torch
 
 from .. import graphs, machine, mismatch, sides
 from ..align import REGIONS
+from ..align.schedule import schedule_to_align_kwargs
 from ..engine import bf16_linear
 from ..engine_align import attention_section, kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
@@ -50,9 +51,9 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
     for mode in MODES:
         sched = graphs.schedule(points[sides.engine(mode)])
-        configs[f"schedule_{mode}"] = graphs.schedule_to_align_kwargs(sched)
+        configs[f"schedule_{mode}"] = schedule_to_align_kwargs(sched)
         if attention:  # None off x86 CPUs: no kernel to reproduce
-            configs[f"engine_{mode}"] = graphs.schedule_to_align_kwargs(  # as align_to_engine completes it, unprobed
+            configs[f"engine_{mode}"] = schedule_to_align_kwargs(  # as align_to_engine completes it, unprobed
                 with_attention(with_rope_rounding(sched, mode), **attention_section({})))
     run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
                            max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)

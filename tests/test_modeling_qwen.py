@@ -1,14 +1,19 @@
-"""rla_lib.qwen_layer: a region is the set of rounding points it keeps in FP32, and recording the points changes no bit."""
+"""rla_lib.align.modeling_qwen: one list of rounding points, a region is the set of them it keeps in FP32, and recording
+the points changes no bit."""
+
+import ast
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from rla_lib import align as rla
-from rla_lib.attention import truncate_to_bf16
-from rla_lib.qwen_layer import FINAL_POINTS, POINTS, rounding_policy
+from rla_lib.align.attention import truncate_to_bf16
+from rla_lib.align.modeling_qwen import FINAL_POINTS, POINTS, ROUNDING_POINTS, rounding_policy
 from test_align import batch, build, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
-MATMULS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "attention"}
+MATMULS = {p.name for p in ROUNDING_POINTS if not p.exact}  # recomputed in FP32: not the kernel's own sum
 CASES = {
     "stock": ((), {}),
     "rope": (("rope",), {}),
@@ -91,3 +96,43 @@ def test_replay_sees_every_rounded_point_and_the_layer_carries_on_with_what_it_r
         hook.remove()
     assert not torch.equal(expected, plain)
     assert torch.equal(logits(model, regions=regions, replay=zero_last_mlp, **options), expected)
+
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ("rla_lib", "tests", "benchmarks", "experiments", "tools")
+# A selection (a region's points, a claim's, a figure's panels) names some; a collection naming more than half of the
+# layer's points is the list written again
+MOST_NAMES = len(POINTS) // 2
+
+
+def point_name_lists(source: str) -> list[int]:
+    """Line numbers of the tuples, lists, sets and dicts in `source` that spell out more than `MOST_NAMES` point names,
+    nested collections included (a table of rows, one point a row, is a list of them too)."""
+    names = set(POINTS) | set(FINAL_POINTS)
+    collections = (ast.Tuple, ast.List, ast.Set, ast.Dict)
+    found, inside = [], set()
+    for node in ast.walk(ast.parse(source)):  # outer collections before the ones they hold
+        if not isinstance(node, collections) or id(node) in inside:
+            continue
+        spelled = {x.value for x in ast.walk(node) if isinstance(x, ast.Constant) and x.value in names}
+        if len(spelled) > MOST_NAMES:
+            found.append(node.lineno)
+            inside |= {id(x) for x in ast.walk(node)}
+    return found
+
+
+def test_one_list_of_rounding_points():
+    """The layer's rounding points are listed once (`ROUNDING_POINTS`); the capture, the op check, notebooks and tests
+    derive theirs from it. The planted second list is found, so the check bites."""
+    assert point_name_lists(f"LOCATIONS = {list(POINTS[:MOST_NAMES + 1])!r}") == [1]
+    canonical = REPO / "rla_lib" / "align" / "modeling_qwen.py"
+    line = next(i for i, text in enumerate(canonical.read_text().splitlines(), 1) if text.startswith("ROUNDING_POINTS = "))
+    assert point_name_lists(canonical.read_text()) == [line]  # the one list itself
+    found = []
+    for path in (p for folder in SOURCES for p in sorted((REPO / folder).rglob("*.py")) if "fixtures" not in p.parts):
+        found += [f"{path.relative_to(REPO)}:{n}" for n in point_name_lists(path.read_text()) if path != canonical]
+    for path in sorted((REPO / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in (c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"):
+            code = "\n".join(line for line in "".join(cell["source"]).splitlines() if not line.lstrip().startswith(("%", "!")))
+            found += [f"{path.relative_to(REPO)}" for _ in point_name_lists(code)]
+    assert not found, "a second list of rounding points (derive it from modeling_qwen.ROUNDING_POINTS):\n" + "\n".join(found)

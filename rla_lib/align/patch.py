@@ -1,33 +1,5 @@
-"""Rounding-location alignment (RLA) of Transformers' Qwen2/Qwen3 with a compiled inference engine.
-
-An engine such as vLLM compiles the model so that chains of pointwise ops run as one kernel that keeps
-its intermediates in FP32 and rounds to BF16 only at the kernel's output. Eager Transformers rounds to
-BF16 after every op. `align(model)` makes the training side round where the engine rounds, in the
-paper's three regions (`REGIONS`), without touching matmuls, attention kernels or the objective:
-
-- `"rope"`: Qwen3's per-head Q/K RMSNorm (weight multiply included) and the rotary products and their
-  sum stay in FP32, with cos/sin recomputed in FP32 (not the BF16-cast ones) from FP32 frequencies (if
-  `model.to(torch.bfloat16)` rounded the `inv_freq` buffer, FP32 values are put back while aligned).
-  Only the rotated Q and K are rounded, once each. On Qwen2 (no Q/K norm) the region is the rotary part
-  alone.
-- `"swiglu"`: SiLU(gate) stays in FP32 through the multiply with `up`; the product is rounded once
-  before `down_proj`.
-- `"residual_norm"`: `residual + sublayer output` is computed in FP32 and the RMSNorm that follows reads
-  this unrounded sum; the residual carried on is the sum rounded to BF16. This covers every
-  `post_attention_layernorm`, the next layer's `input_layernorm` and the final `model.norm`, so decoder
-  layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
-  norm outputs the model dtype for `lm_head`.
-
-Each of the three is a set of the layer's named rounding points (`rla_lib.qwen_layer.POINTS`) that it keeps in FP32
-(`qwen_layer.rounding_policy`); the layer's ops are written once, in `rla_lib.qwen_layer`, and bound here into the
-modules' forwards. `align(model, (), record=...)` runs the stock model through the same code and reports the FP32
-value at every point it rounds (`rla_lib.studies.prerounding`); `align(model, regions, replay=...)` feeds every point
-another value, the engine's own in `rla_lib.studies.op_check`, so each op is checked from the engine's inputs.
-
-A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention
-kernel of the model's `attn_implementation` with the engine's numerics (`rla_lib.attention`), per module
-instance (nothing is registered globally). It reads the mask Transformers built for the model (eager or
-sdpa), so padding and sliding windows are kept; it refuses attention dropout (the engine has none).
+"""Binding the aligned layer (`modeling_qwen`) into a Transformers Qwen2/Qwen3 model instance: `align` with its
+options, `undo`, and the guards that refuse what it was not verified on.
 
 Options (`AlignOptions`, passed as keyword arguments of `align`) pick the details where engines differ.
 The defaults are the paper's; an option of a region that is not enabled is accepted and has no effect.
@@ -67,7 +39,7 @@ bit for bit. Autocast is not supported: the rounding targets are read from weigh
 
 The patch is per module instance (`module.forward` is shadowed, classes are untouched), so a stock and
 an aligned model can live in one process. It was written against the Qwen2/Qwen3 modeling code of
-transformers 5.19.0 and ported to the 4.57 and 5.10 series (`rla_lib.align_versions`: what differs, the
+transformers 5.19.0 and ported to the 4.57 and 5.10 series (`versions`: what differs, the
 verified releases); `align` refuses other versions, and any function it replaces or relies on that has changed.
 
     handle = align(model)                  # all three regions, paper semantics
@@ -84,24 +56,22 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import sys
 import types
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from transformers import masking_utils
 from transformers.integrations import sdpa_attention
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from .align_versions import Release, supported_release
 from .attention import KERNELS as ATTENTION_KERNELS
-from .qwen_layer import Rounding, residual_sum, rms_norm, rotary, rounding_policy, swiglu, truncated_bf16
+from .modeling_qwen import (attention_forward, decoder_layer_forward, mlp_forward, norm_forward, rotary_forward,
+                            rounding_policy)
 from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts
+from .versions import Release, supported_release
 
 
 REGIONS = ("rope", "swiglu", "residual_norm")  # the paper's
@@ -209,68 +179,6 @@ def _check_stock_source(family: _Family) -> Release:
     return release
 
 
-# --------------------------------------------------------------------------------------------------
-# With fused=True, the rotary products and sum and the SwiGLU product run as torch.compile'd kernels: the eager
-# regions' ops (`rla_lib.qwen_layer`) in one pass. Only pieces whose compiled code gives the eager bits are
-# compiled (checked by the tests on the machine that runs them).
-# --------------------------------------------------------------------------------------------------
-
-
-def _rotary_fp32(apply_rotary_pos_emb, query, key, cos, sin, dtype, truncate=False):
-    """The stock rotary formula on FP32 operands, rounded once (to nearest, or toward zero with `truncate`)."""
-    query, key = apply_rotary_pos_emb(query.float(), key.float(), cos.float(), sin.float())
-    if truncate and dtype == torch.bfloat16:
-        return truncated_bf16(query), truncated_bf16(key)
-    return query.to(dtype), key.to(dtype)
-
-
-def _swiglu_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up in FP32, rounded once (the fused kernel; the eager path, `qwen_layer.swiglu`, calls the MLP's
-    act_fn)."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
-def _swiglu_fp32_grads(grad, gate, up):
-    """Eager autograd's backward of `_swiglu_fp32` up to SiLU's own backward: d_up (rounded), d_silu, gate."""
-    grad = grad.float()
-    gate = gate.float()
-    return (grad * F.silu(gate)).to(up.dtype), grad * up.float(), gate
-
-
-@functools.cache
-def _compiled(function):
-    return torch.compile(function, dynamic=True)
-
-
-class _FusedSwiGLU(torch.autograd.Function):
-    """`_swiglu_fp32` with compiled kernels. Saves the BF16 inputs (not FP32 copies) and recomputes in backward;
-    SiLU's backward is ATen's, as in eager autograd, since its compiled form rounds differently."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return _compiled(_swiglu_fp32)(gate, up)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        grad_up, grad_silu, gate_fp32 = _compiled(_swiglu_fp32_grads)(grad, gate, up)
-        return torch.ops.aten.silu_backward(grad_silu, gate_fp32).to(gate.dtype), grad_up
-
-
-# --------------------------------------------------------------------------------------------------
-# Aligned forwards, bound to single module instances. Outside their region they are line for line the
-# stock forwards of transformers 5.19.0 (Qwen2 and Qwen3 differ only in the Q/K norm), with the 4.x
-# differences taken from the installed `release`.
-# --------------------------------------------------------------------------------------------------
-
-
-def _rotary_forward(self, x, position_ids, *, options, **kwargs):
-    """Stock cos/sin, left in FP32: the stock forward casts them to `x.dtype` and reads nothing else of `x`."""
-    fp32_probe = x.new_empty(0, dtype=torch.float32)
-    return type(self).forward(self, fp32_probe, position_ids, **kwargs)
-
 
 def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module, release: Release) -> None:
     """Recompute the rotary frequencies in FP32 if `model.to(torch.bfloat16)` rounded them (the engine's are
@@ -282,124 +190,6 @@ def _use_fp32_rope_frequencies(handle: Alignment, rotary: nn.Module, release: Re
     handle._replace_buffer(rotary, "inv_freq", inv_freq)
     handle._replace_buffer(rotary, "original_inv_freq", inv_freq.clone())
 
-
-def _attention_forward(
-    self,
-    hidden_states,
-    position_embeddings,
-    attention_mask,
-    past_key_values=None,
-    *,
-    attention,
-    release,
-    options,
-    rounding,
-    rms_sum="torch",
-    **kwargs,
-):
-    """The stock attention forward with its rounding points from `rounding` (`attention`: the engine's kernel in place
-    of the model's; `rms_sum`: this layer's Q/K norm sum order)."""
-    modeling = sys.modules[type(self).__module__]
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    query_states = rounding.linear("q_proj", self.q_proj, hidden_states).view(hidden_shape)
-    key_states = rounding.linear("k_proj", self.k_proj, hidden_states).view(hidden_shape)
-    if hasattr(self, "q_norm"):  # Qwen3
-        query_states = _qk_norm(self.q_norm, query_states, "q_norm", rounding, rms_sum)
-        key_states = _qk_norm(self.k_norm, key_states, "k_norm", rounding, rms_sum)
-    query_states = query_states.transpose(1, 2)
-    key_states = key_states.transpose(1, 2)
-    value_states = rounding.linear("v_proj", self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings  # FP32 where the rope region keeps them (unless rope_cos_sin="bf16")
-    if not rounding.keeps("rope.q_cos") and not rounding.observed:
-        query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    elif options.fused and not rounding.observed:
-        query_states, key_states = _compiled(_rotary_fp32)(
-            modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype,
-            options.rope_rounding == "truncate",
-        )
-    else:
-        query_states = rotary(query_states, cos, sin, "q", modeling.rotate_half, rounding, value_states.dtype)
-        key_states = rotary(key_states, cos, sin, "k", modeling.rotate_half, rounding, value_states.dtype)
-
-    cache_args = release.cache_update_args(cos, sin, kwargs)  # (4.x: takes cache_position out of kwargs)
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, *cache_args)
-
-    if attention:  # the engine's attention numerics, in place of the model's attn_implementation
-        attention_interface = ATTENTION_KERNELS[options.attention]
-    else:
-        attention_interface = release.attention_function(self, modeling.eager_attention_forward)
-    common = dict(dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                  sliding_window=self.sliding_window)
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask, **common, **kwargs
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if not attention:  # (an engine kernel's own FP32 value is not recorded)
-        rounding.attention(self, attention_interface, query_states, key_states, value_states, attention_mask,
-                           attn_output, **common)
-    attn_output = rounding.linear("o_proj", self.o_proj, rounding.replayed("attention", attn_output))
-    return attn_output, attn_weights
-
-
-def _qk_norm(norm: nn.Module, states: torch.Tensor, name: str, rounding: Rounding, rms_sum: str) -> torch.Tensor:
-    """Qwen3's per-head Q/K norm: the stock module where the policy keeps none of its points (and no study looks)."""
-    if rounding.keeps(f"{name}.weight"):
-        return rms_norm(norm, states, name, rounding, rms_sum)
-    return rms_norm(norm, states, name, rounding) if rounding.observed else norm(states)
-
-
-def _mlp_forward(self, x, *, options, rounding):
-    gate = rounding.linear("gate_proj", self.gate_proj, x)
-    up = rounding.linear("up_proj", self.up_proj, x)
-    if options.fused and rounding.keeps("silu") and not rounding.observed:
-        return self.down_proj(_FusedSwiGLU.apply(gate, up))
-    return rounding.linear("down_proj", self.down_proj, swiglu(self.act_fn, gate, up, rounding))
-
-
-def _residual_norm_forward(self, hidden_states, *, options, rounding, name, rms_sum="torch"):
-    """RMSNorm of the (possibly FP32, unrounded) residual sum, output in the weight dtype."""
-    return rms_norm(self, hidden_states, name, rounding, rms_sum)
-
-
-def _decoder_layer_forward(
-    self,
-    hidden_states,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    use_cache=False,
-    position_embeddings=None,
-    *,
-    options,
-    rounding,
-    stream,
-    **kwargs,
-):
-    # `hidden_states` is the previous layer's sum (unrounded where the policy keeps it; the embeddings for layer 0).
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    # Self Attention
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
-    hidden_states = residual_sum(residual, hidden_states, "residual_attn", rounding, stream)
-
-    # Fully Connected
-    residual = hidden_states
-    hidden_states = self.post_attention_layernorm(hidden_states)
-    hidden_states = self.mlp(hidden_states)
-    return residual_sum(residual, hidden_states, "residual_mlp", rounding, stream)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -522,11 +312,11 @@ def align(
     arguments (or one `AlignOptions`).
     A model already aligned is refused, naming its alignment, unless `replace=True` (if this raises, the model is
     left stock). Returns a handle; `handle.undo()` restores stock.
-    `record(point, layer, fp32, rounded)`, for studies: called at every rounding point (`qwen_layer.POINTS`) the model
-    rounds, with the FP32 value about to be rounded; every module then runs through `qwen_layer` (with `regions=()`,
+    `record(point, layer, fp32, rounded)`, for studies: called at every rounding point (`modeling_qwen.POINTS`) the model
+    rounds, with the FP32 value about to be rounded; every module then runs through `modeling_qwen` (with `regions=()`,
     the stock model recorded, bit for bit stock). Forward only; the model's own attention kernel only.
     `replay(point, layer, rounded)`, for studies: the value each rounding point carries on with (teacher forcing:
-    `rla_lib.studies.op_check` puts the engine's own there); every module then runs through `qwen_layer` too.
+    `rla_lib.studies.op_check` puts the engine's own there); every module then runs through `modeling_qwen` too.
     """
     family, base = _family_and_base(model)
     refuse_if_aligned(base, replace)
@@ -566,25 +356,25 @@ def _patch_modules(handle: Alignment, base: nn.Module, release: Release, record,
     if "rope" in regions:
         _use_fp32_rope_frequencies(handle, base.rotary_emb, release)
         if options.rope_cos_sin == "fp32":
-            handle._patch(base.rotary_emb, _rotary_forward)
+            handle._patch(base.rotary_emb, rotary_forward)
     if "rope" in regions or "attention" in regions or every:
         for i, layer in enumerate(base.layers):
-            handle._patch(layer.self_attn, _attention_forward, attention="attention" in regions, release=release,
+            handle._patch(layer.self_attn, attention_forward, attention="attention" in regions, release=release,
                           rounding=policies[i], rms_sum=sums["qk_norm"][i])
     if "swiglu" in regions or every:
         for i, layer in enumerate(base.layers):
-            handle._patch(layer.mlp, _mlp_forward, rounding=policies[i])
+            handle._patch(layer.mlp, mlp_forward, rounding=policies[i])
     if "residual_norm" in regions or every:
         aligned_norms = "residual_norm" in regions  # (a recorded stock norm sums as torch does)
         stream = options.residual_stream if aligned_norms else "bf16"
         norm_sum = sums if aligned_norms else rms_sum_layouts("torch", len(base.layers))
         for i, layer in enumerate(base.layers):
-            handle._patch(layer, _decoder_layer_forward, rounding=policies[i], stream=stream)
-            handle._patch(layer.input_layernorm, _residual_norm_forward, rounding=policies[i], name="input_norm",
+            handle._patch(layer, decoder_layer_forward, rounding=policies[i], stream=stream)
+            handle._patch(layer.input_layernorm, norm_forward, rounding=policies[i], name="input_norm",
                           rms_sum=norm_sum["input_norm"][i])
-            handle._patch(layer.post_attention_layernorm, _residual_norm_forward, rounding=policies[i],
+            handle._patch(layer.post_attention_layernorm, norm_forward, rounding=policies[i],
                           name="post_norm", rms_sum=norm_sum["post_norm"][i])
-        handle._patch(base.norm, _residual_norm_forward, name="final_norm", rms_sum=norm_sum["final_norm"][0],
+        handle._patch(base.norm, norm_forward, name="final_norm", rms_sum=norm_sum["final_norm"][0],
                       rounding=rounding_policy(regions, options, "final", record, replay))
 
 

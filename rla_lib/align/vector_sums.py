@@ -1,6 +1,6 @@
 """Sums in the order CPU kernels add them: FP32 vector registers of lanes, each lane accumulating its own elements
 in order, then the lanes paired down to one. vLLM's CPU attention sums its softmax row this way (16 lanes,
-`rla_lib.attention`), inductor's C++ reductions sum an RMSNorm's x² this way (`rla_lib.align`'s `rms_sum`). The same
+`rla_lib.align.attention`), inductor's C++ reductions sum an RMSNorm's x² this way (`rla_lib.align`'s `rms_sum`). The same
 math in torch's own order (`x.pow(2).mean(-1)`) differs in the last bits of a good share of rows.
 """
 
