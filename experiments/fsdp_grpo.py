@@ -15,7 +15,8 @@ first step's own, as in `grpo.train_step`), three ways from the same FP32 weight
 
 All of it twice: with the trainer's gradient clip (max_grad_norm 1.0, it binds here) and with none (inf). The
 FSDP weights compared are those of its checkpoint (`results/fsdp_grpo/<arm>_clip_<max_grad_norm>/checkpoint.pt`,
-gathered on rank 0). Rank 0 writes the table after every run has finished (atomically: a failed run leaves none).
+gathered on rank 0: step, weights and optimizer state, tensors and plain containers that `weights_only=True` loads).
+Rank 0 writes the table after every run has finished (atomically: a failed run leaves none).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ the one worker running it, and the others move on to the next. The lock dies wit
 that crashes or is killed leaves its run to be resumed from its last checkpoint by whichever worker reaches
 it next (or by starting the sweep again), and every other run's results as they were.
 
-Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes).
+Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes; the
+checkpoint is read as data only, `torch.load(weights_only=True)`, so a file put in a shared run folder never runs).
 When all are done, one file collects the per-step histories of every run,
 `data/grpo_sweep/histories.csv.gz` (shipped, so notebook 06 can show the search without re-running it),
 written atomically, with a sidecar `histories.json`: when it was written, from which commit, the grid.

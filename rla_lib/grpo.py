@@ -25,9 +25,11 @@ KL(inference || training), logged where the vocabulary is small enough for the e
 distributions), `seq_k3` and `seq_exact_kl` per response (nats: each response's sum, averaged), `tis_weight` (mean
 min(rho, cap)) and `seq_is_above_cap` (share of responses whose sequence-level ratio exceeds the cap).
 
-Results go to `out_dir`: `history.csv` (one row per step), `checkpoint.pt` every `checkpoint_every`
-steps (weights, optimizer, step); a run started again with the same `out_dir` resumes from it and
-gives the same results as an uninterrupted run. Every file is written atomically.
+Results go to `out_dir`: `history.csv` (one row per step) and, every `checkpoint_every` steps, `checkpoint.pt`
+(weights, optimizer state, step: tensors and plain containers) with `checkpoint.json` beside it (step, history); a
+run started again with the same `out_dir` resumes from them and gives the same results as an uninterrupted run.
+Every file is written atomically. The .pt is loaded with `weights_only=True`: run folders are shared (sweeps, copied
+results), and a checkpoint holding anything but data is refused rather than unpickled (`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import pickle
 import random
 import time
 from dataclasses import dataclass, field
@@ -357,9 +360,76 @@ def evaluate_run(cfg: GRPOConfig, policy: Policy, engine, eval_split) -> dict:
     return dict(eval_accuracy=engine_acc, eval_accuracy_policy=policy_acc)
 
 
-def save_checkpoint(path: Path, policy: Policy, step: int, history: list[dict]) -> None:
-    state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict(), history=history)
-    atomic_write(path, lambda p: torch.save(state, p))
+CHECKPOINT, CHECKPOINT_HISTORY = "checkpoint.pt", "checkpoint.json"
+# A checkpoint written before checkpoint.json kept the history in the .pt, its numbers numpy scalars. A scalar is
+# rebuilt from its dtype and raw bytes (data only, no code): allowing these few numpy names lets `weights_only` load it.
+LEGACY_NUMPY = [np._core.multiarray.scalar, np.dtype,
+                *(type(np.dtype(kind)) for kind in ("float64", "float32", "int64", "int32", "bool"))]
+
+
+class CheckpointError(ValueError):
+    """A run folder's checkpoint that `train` will not resume from (unsafe to load, or its two files disagree)."""
+
+
+def save_checkpoint(out_dir: Path, policy: Policy, step: int, history: list[dict]) -> None:
+    """`checkpoint.pt` (weights, optimizer state, step: tensors and plain containers) and `checkpoint.json` (step and
+    history), each atomically. The JSON goes first: a crash between the two leaves it ahead of the .pt, and cut at the
+    .pt's step its history is the one the .pt went with (rows are only ever appended)."""
+    record = json.dumps(dict(step=step, history=history), default=json_number)
+    atomic_write(out_dir / CHECKPOINT_HISTORY, lambda p: p.write_text(record))
+    state = dict(step=step, master=policy.master.state_dict(), opt=policy.opt.state_dict())
+    atomic_write(out_dir / CHECKPOINT, lambda p: torch.save(state, p))
+
+
+def json_number(value):
+    """A numpy scalar of a history row as a Python number (np.float64 needs nothing: it is a float, JSON keeps its
+    repr, which reads back to the same bits)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"a history row holds a {type(value).__name__}, not a number")
+
+
+def load_checkpoint(out_dir: Path) -> tuple[dict, list[dict]] | None:
+    """The state and history `save_checkpoint` left in `out_dir` (None: no checkpoint yet).
+
+    `checkpoint.pt` is loaded with `weights_only=True`: tensors and plain containers only. A file holding anything
+    else (a checkpoint dropped into a shared run folder can hold code that unpickling runs) is refused before any of
+    it is built; the message says how to start the run over."""
+    path = out_dir / CHECKPOINT
+    if not path.exists():
+        return None
+    try:
+        with torch.serialization.safe_globals(LEGACY_NUMPY):
+            state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain containers ({refusal_reason(e)}); "
+            "rla_lib never writes such a checkpoint, and loading it could run code, so it was not loaded. "
+            f"Delete it (and {CHECKPOINT_HISTORY} beside it) to start the run over from step 0.") from None
+    if not isinstance(state, dict) or not {"step", "master", "opt"} <= state.keys():
+        raise CheckpointError(f"{path} is not a GRPO checkpoint (no step, master and opt): delete it to start over")
+    if "history" in state:  # written before checkpoint.json: the history was kept in the .pt
+        return state, list(state["history"])
+    return state, history_at(out_dir / CHECKPOINT_HISTORY, state["step"])
+
+
+def refusal_reason(error: Exception) -> str:
+    """torch's reason for refusing a file under weights_only, without its advice (which offers loading it unsafely)."""
+    lines = (line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(error).splitlines()[1:])
+    advice = ("Please", "Check the documentation", "(1)", "(2)")
+    return next((line.split(". Please")[0].rstrip(".") for line in lines if line and not line.startswith(advice)),
+                "not loadable safely")
+
+
+def history_at(path: Path, step: int) -> list[dict]:
+    """`checkpoint.json`'s history through `step`, the .pt's (the JSON may be ahead: a crash between the writes)."""
+    saved = json.loads(path.read_text()) if path.exists() else dict(step=None, history=[])
+    history = [row for row in saved["history"] if row["step"] <= step]
+    if not history or history[-1]["step"] != step:
+        raise CheckpointError(f"{path.parent}: {CHECKPOINT} is at step {step} but {CHECKPOINT_HISTORY} "
+                              f"{'is missing' if saved['step'] is None else 'stops at step ' + str(saved['step'])}: "
+                              f"the run's history is lost; delete both files to start the run over from step 0")
+    return history
 
 
 def record_machine(path: Path) -> None:
@@ -371,7 +441,7 @@ def record_machine(path: Path) -> None:
 
 # ---- the loop ------------------------------------------------------------------------------
 def run(cfg: GRPOConfig, out_dir: Path, engine=None, progress: bool | None = None) -> pd.DataFrame:
-    """Train, log, checkpoint; resume from `out_dir/checkpoint.pt` if it exists. Returns the history.
+    """Train, log, checkpoint; resume from the checkpoint in `out_dir` if any (`load_checkpoint`). Returns the history.
 
     progress: a bar over the steps (None: only in a Jupyter kernel, see `rla_lib.progress`).
 
@@ -403,13 +473,12 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
     torch.manual_seed(cfg.seed)
     policy = Policy(cfg)
     history, start = [], 1
-    ckpt = out_dir / "checkpoint.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+    if loaded := load_checkpoint(out_dir):  # before the engine starts: a refused checkpoint costs nothing
+        state, history = loaded
         policy.master.load_state_dict(state["master"])
         policy.opt.load_state_dict(state["opt"])
         policy.refresh_compute()
-        history, start = state["history"], state["step"] + 1
+        start = state["step"] + 1
     own_engine = engine is None
     if own_engine:
         engine = Engine(cfg.model, mode=cfg.engine_mode, dtype=cfg.engine_dtype, seed=cfg.seed)
@@ -433,7 +502,7 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
             history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
             trim_freed_memory()  # what reuse_freed_memory keeps for the next step, bounded
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_checkpoint(ckpt, policy, step, history)
+                save_checkpoint(out_dir, policy, step, history)
                 atomic_write(out_dir / "history.csv", lambda p: pd.DataFrame(history).to_csv(p, index=False))
     finally:
         if freeze:

@@ -107,6 +107,6 @@ def test_fsdp_grpo_matches_single_process(tmp_path):
     assert aligned_vs_stock.max_abs_logprob_diff > 0 and aligned_vs_stock.max_abs_param_diff > 0
     # The checkpoints hold the whole FP32 model, loadable without FSDP.
     for arm in ("stock", "aligned"):
-        checkpoint = torch.load(tmp_path / "checkpoints" / f"{arm}_clip_inf" / "checkpoint.pt", weights_only=False)
+        checkpoint = torch.load(tmp_path / "checkpoints" / f"{arm}_clip_inf" / "checkpoint.pt", weights_only=True)
         load_model("qwen3-tiny", dtype="float32").load_state_dict(checkpoint["master"], strict=True)
         assert checkpoint["step"] == 3 and checkpoint["opt"]["state"]

@@ -1,4 +1,7 @@
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -146,7 +149,7 @@ def test_coarse_rollout_run_evaluates_the_policy_too(compiled_engine, tmp_path):
         h = grpo.run(cfg, tmp_path / "coarse", engine=compiled_engine, progress=False)
         after_run = [s.token_logprobs for s in compiled_engine.score(seqs)]
         policy = grpo.Policy(cfg)
-        policy.master.load_state_dict(torch.load(tmp_path / "coarse" / "checkpoint.pt", weights_only=False)["master"])
+        policy.master.load_state_dict(torch.load(tmp_path / "coarse" / "checkpoint.pt", weights_only=True)["master"])
         compiled_engine.load_weights(policy.rollout_weights())
         coarse = [s.token_logprobs for s in compiled_engine.score(seqs)]
     finally:
@@ -168,19 +171,35 @@ TINY = dict(steps=4, prompts_per_step=4, group_size=4, max_tokens=24, eval_every
 TIMING = ["t_rollout", "t_score", "t_update", "t_sync"]
 
 
+def write_as_before_checkpoint_json(run: Path, copy: Path) -> None:
+    """A copy of `run` whose checkpoint is in the format of earlier versions: one .pt, the history (numpy scalars
+    where train_step makes them) inside it."""
+    shutil.copytree(run, copy)
+    state = torch.load(copy / "checkpoint.pt", weights_only=True)
+    history = json.loads((copy / "checkpoint.json").read_text())["history"]
+    state["history"] = [{k: np.float64(v) if isinstance(v, float) else v for k, v in row.items()} for row in history]
+    torch.save(state, copy / "checkpoint.pt")
+    (copy / "checkpoint.json").unlink()
+
+
 @pytest.mark.engine
 def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
     try:
         cfg = grpo.GRPOConfig(regions=("rope",), **TINY)
         full = grpo.run(cfg, tmp_path / "full", engine=compiled_engine, progress=False)
         grpo.run(grpo.GRPOConfig(regions=("rope",), **(TINY | dict(steps=2))), tmp_path / "resumed", engine=compiled_engine, progress=False)
+        write_as_before_checkpoint_json(tmp_path / "resumed", tmp_path / "legacy")
         resumed = grpo.run(cfg, tmp_path / "resumed", engine=compiled_engine, progress=False)
         pd.testing.assert_frame_equal(full.drop(columns=TIMING), resumed.drop(columns=TIMING))
+        from_legacy = grpo.run(cfg, tmp_path / "legacy", engine=compiled_engine, progress=False)
+        pd.testing.assert_frame_equal(full.drop(columns=TIMING), from_legacy.drop(columns=TIMING))
+        assert "history" not in torch.load(tmp_path / "legacy" / "checkpoint.pt", weights_only=True)  # saved anew
         assert full["exact_kl"].iloc[1:].notna().all()  # small vocabulary: the exact KL is logged
         assert full["step"].tolist() == [0, 1, 2, 3, 4] and full["eval_accuracy"].notna().sum() == 3  # step 0: before training
-        a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["master"]
-        b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["master"]
+        a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["master"]
+        b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["master"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+        assert json.loads((tmp_path / "resumed" / "checkpoint.json").read_text())["step"] == 4  # the history beside it
         starts = json.loads((tmp_path / "resumed" / "machine.json").read_text())  # each start records its machine
         assert len(starts) == 2 and starts[-1]["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
         assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], load_model("qwen3-tiny", dtype="float32").state_dict()["model.layers.0.mlp.up_proj.weight"])
@@ -194,6 +213,62 @@ def test_resume_equals_uninterrupted(compiled_engine, tmp_path):
         pd.testing.assert_frame_equal(full.drop(columns=TIMING), again.drop(columns=TIMING))
     finally:
         compiled_engine.load_weights(load_model("qwen3-tiny"))  # the shared engine goes back to the shipped weights
+
+
+class Payload:
+    """What a planted checkpoint could hold: unpickling it calls `Path.touch(marker)` (any callable would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    """A checkpoint.pt whose unpickling runs code, planted in a run folder beside the run's config.json: resuming
+    refuses it before building any of it (and before an engine starts), and nothing runs."""
+    cfg = grpo.GRPOConfig(**TINY)
+    folder, marker = tmp_path / "run", tmp_path / "ran"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(cfg) | {"regions": []}))
+    planted = dict(step=2, master=Payload(marker), opt={}, history=[dict(step=0)])
+    torch.save(planted, folder / "checkpoint.pt")
+    torch.save(planted, tmp_path / "unsafe.pt")
+    torch.load(tmp_path / "unsafe.pt", weights_only=False)  # the plant works: unpickled, it runs
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(grpo.CheckpointError, match="more than tensors.*GLOBAL.*was not loaded.*start the run over"):
+        grpo.run(cfg, folder, engine=object(), progress=False)  # no engine method is reached
+    assert not marker.exists()
+
+
+def test_checkpoints_from_before_checkpoint_json_resume_safely(tmp_path):
+    """A checkpoint.pt that kept the history itself (numpy scalars and all) loads with weights_only=True."""
+    history = [dict(step=0, eval_accuracy=np.float64(0.25)),
+               dict(step=1, reward=np.float64(0.5), tokens=np.int64(12), k3=np.float64(np.nan), padded_tokens=40)]
+    master = dict(w=torch.arange(3.0))
+    opt = dict(state={0: dict(step=torch.tensor(1.0))}, param_groups=[dict(betas=(0.9, 0.999), params=[0])])
+    torch.save(dict(step=1, master=master, opt=opt, history=history), tmp_path / "checkpoint.pt")
+    state, loaded = grpo.load_checkpoint(tmp_path)
+    assert state["step"] == 1 and torch.equal(state["master"]["w"], master["w"]) and state["opt"] == opt
+    pd.testing.assert_frame_equal(pd.DataFrame(loaded), pd.DataFrame(history))
+
+
+def test_checkpoint_pair_after_a_crash_between_its_writes(tmp_path):
+    """checkpoint.json is written before checkpoint.pt: ahead of the .pt, its history is cut at the .pt's step; behind
+    it or missing, the history of the .pt's steps is lost and resuming is refused."""
+    rows = [dict(step=s, reward=s / 3) for s in range(5)]
+    torch.save(dict(step=2, master={}, opt={}), tmp_path / "checkpoint.pt")
+    (tmp_path / "checkpoint.json").write_text(json.dumps(dict(step=4, history=rows)))
+    assert grpo.load_checkpoint(tmp_path)[1] == rows[:3]
+    (tmp_path / "checkpoint.json").write_text(json.dumps(dict(step=1, history=rows[:2])))
+    with pytest.raises(grpo.CheckpointError, match="step 2 but checkpoint.json stops at step 1"):
+        grpo.load_checkpoint(tmp_path)
+    (tmp_path / "checkpoint.json").unlink()
+    with pytest.raises(grpo.CheckpointError, match="checkpoint.json is missing"):
+        grpo.load_checkpoint(tmp_path)
+    assert grpo.load_checkpoint(tmp_path / "fresh") is None
 
 
 @pytest.mark.engine

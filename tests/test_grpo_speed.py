@@ -123,8 +123,8 @@ def test_fast_step_equals_reference_bitwise(compiled_engine, tmp_path, monkeypat
     row_invariant_unless_amx_gemm(fast_rows.equals(reference_rows), "the fast step's history")
     pd.testing.assert_frame_equal(fast_rows, reference_rows, check_exact=True)
     assert fast["grad_norm"].iloc[1:].gt(0).any()  # some update did something (a group all alike teaches nothing)
-    a = torch.load(tmp_path / "fast" / "checkpoint.pt", weights_only=False)
-    b = torch.load(tmp_path / "reference" / "checkpoint.pt", weights_only=False)
+    a = torch.load(tmp_path / "fast" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "reference" / "checkpoint.pt", weights_only=True)
     assert all(torch.equal(a["master"][k], b["master"][k]) for k in a["master"])
     state_a, state_b = a["opt"]["state"], b["opt"]["state"]
     assert all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in ("exp_avg", "exp_avg_sq"))

@@ -103,7 +103,7 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
         if proc.returncode != 0 or not path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"op_check capture of {model} failed (exit {proc.returncode}):\n{tail}")
-    return torch.load(path)
+    return torch.load(path, weights_only=True)  # tensors, lists of token ids and strings: nothing to unpickle
 
 
 # ---- the training side, teacher-forced ----------------------------------------------------------------------------
