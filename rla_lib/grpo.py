@@ -49,9 +49,9 @@ import torch
 
 from . import native, task
 from .align import align
-from .align.monitor import TIS_CAP, mismatch_summary
+from .align.monitor import TIS_CAP, MismatchMeter, mismatch_summary
 from .engine import Engine
-from .kl import MONITOR_COLUMNS, UNIT, MismatchMonitor
+from .kl import UNIT
 from .machine import machine, reuse_freed_memory, trim_freed_memory, use_fp32_row_blocks
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write
@@ -278,7 +278,7 @@ def score_rows(policy, ids, attn, rows, old_lp, entropy, old_full=None) -> None:
         old_full[rows, : width - 1] = full[0]
 
 
-def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+def train_step(cfg, step, policy, engine, meter, eval_split, exclude) -> dict:
     t0 = time.perf_counter()
     samples, rewards = rollout(cfg, step, engine, exclude)
     t_rollout = time.perf_counter()
@@ -308,20 +308,19 @@ def train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
     train_lp = [old_lp[i][resp[i] > 0].numpy() for i in range(len(samples))]
-    monitor.update(step, [s.logprobs for s in samples], train_lp)
-    per_sequence = mismatch_summary([s.logprobs for s in samples], train_lp, *(
+    mismatch = mismatch_summary([s.logprobs for s in samples], train_lp, *(
         ([s.full for s in samples], [old_full[i][resp[i] > 0].numpy() for i in range(len(samples))]) if exact else ()),
         tis_cap=cfg.tis_cap or TIS_CAP)
+    meter.watch(mismatch["k3"])
     t_update = time.perf_counter()
     engine.load_weights(policy.rollout_weights())
     t_sync = time.perf_counter()
 
-    m = monitor.rows[-1]
-    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
-               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
-               exact_kl=per_sequence.get("exact_kl", np.nan) / UNIT, seq_k3=per_sequence["k3_per_sequence"],
-               seq_exact_kl=per_sequence.get("exact_kl_per_sequence", np.nan), tis_weight=per_sequence["tis_weight_mean"],
-               seq_is_above_cap=per_sequence["seq_is_ratio_above_cap"],
+    row = dict(step=step, reward=rewards.mean(), tokens=mismatch["tokens"], sampled_kl=mismatch["k1"] / UNIT,
+               k3=mismatch["k3"] / UNIT, mean_abs_diff=mismatch["abs_diff_mean"], max_abs_diff=mismatch["abs_diff_max"],
+               exact_kl=mismatch.get("exact_kl", np.nan) / UNIT, seq_k3=mismatch["k3_per_sequence"],
+               seq_exact_kl=mismatch.get("exact_kl_per_sequence", np.nan), tis_weight=mismatch["tis_weight_mean"],
+               seq_is_above_cap=mismatch["seq_is_ratio_above_cap"],
                entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
                clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
                padded_tokens=ids.numel(), real_tokens=int(attn.sum()),
@@ -486,11 +485,11 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
 
     held_out = task.load_split(task.eval_split_path(cfg.task))
     eval_split, exclude = held_out[: cfg.eval_prompts], {p.prompt for p in held_out}
-    monitor = MismatchMonitor()
+    meter = MismatchMeter()  # warns where the mismatch rises
     if not history:  # step 0: the held-out accuracy before any update, the start of every curve
         history.append(dict(step=0, eval_prompts=len(eval_split), **evaluate_run(cfg, policy, engine, eval_split)))
     for row in history[1:]:
-        monitor.rows.append({k: row[k] for k in MONITOR_COLUMNS})
+        meter.watch(row["k3"] * UNIT)
     # what exists now (torch, Transformers, vLLM and their modules: close to a million objects) lasts the run: a full
     # collection walked all of it, half a second now and then; frozen until the run ends, it walks the steps' own
     # (left alone where the caller has frozen objects already: unfreezing would undo theirs)
@@ -499,7 +498,7 @@ def train(cfg: GRPOConfig, out_dir: Path, engine, progress) -> pd.DataFrame:
         gc.freeze()
     try:
         for step in bar(range(start, cfg.steps + 1), progress, initial=start - 1, total=cfg.steps, desc=out_dir.name):
-            history.append(train_step(cfg, step, policy, engine, monitor, eval_split, exclude))
+            history.append(train_step(cfg, step, policy, engine, meter, eval_split, exclude))
             trim_freed_memory()  # what reuse_freed_memory keeps for the next step, bounded
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(out_dir, policy, step, history)

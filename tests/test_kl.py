@@ -2,8 +2,10 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from rla_lib import kl
+from rla_lib.align.monitor import MismatchMeter
 
 
 def _softmax_logits(rng, shape, scale):
@@ -91,23 +93,23 @@ def test_tokens_to_separate():
     assert kl.tokens_to_separate(a, c) > 100
 
 
-def test_monitor_history_and_warning():
-    mon = kl.MismatchMonitor(warn_ratio=3.0, baseline_steps=3, window=2)
+def test_the_meter_warns_once_when_the_mismatch_rises():
+    meter = MismatchMeter(warn_ratio=3.0, baseline_steps=3, window=2)
     rng = np.random.default_rng(0)
+
+    def step(noise):
+        inf = torch.tensor(rng.normal(-1, 0.1, (1, 8)))
+        return meter.record(inf, inf + torch.tensor(rng.normal(0, noise, (1, 8))), torch.ones(1, 8))
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for step in range(5):
-            inf = [rng.normal(-1, 0.1, 8)]
-            mon.update(step, inf, [inf[0] + rng.normal(0, 0.001, 8)])
+        for _ in range(5):
+            step(0.001)
+    assert not meter.rising
     with pytest.warns(RuntimeWarning, match="mismatch rising"):
-        for step in range(5, 8):
-            inf = [rng.normal(-1, 0.1, 8)]
-            mon.update(step, inf, [inf[0] + rng.normal(0, 0.05, 8)])
-    h = mon.history
-    assert list(h["step"]) == list(range(8)) and mon.rising
-    assert (h["k3"] >= 0).all() and h["tokens"].eq(8).all()
-    with pytest.raises(ValueError, match="same tokens"):
-        mon.update(9, [np.zeros(3)], [np.zeros(4)])
+        for _ in range(3):
+            step(0.05)
+    assert meter.rising and len(meter.k3_steps) == 8 and min(meter.k3_steps) >= 0
 
 
 # ---- prompt clusters and paired differences ----------------------------------------------------

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rla_lib import grpo, task
-from rla_lib.kl import UNIT, MismatchMonitor
+from rla_lib.align.monitor import mismatch_summary
+from rla_lib.kl import UNIT
 from rla_lib.models import load_model
 from rla_lib.scoring import hidden_states, log_softmax_at, pad_batch, token_logprobs
 
@@ -22,7 +23,7 @@ TINY = dict(steps=2, prompts_per_step=4, group_size=4, max_tokens=24, eval_every
 
 
 def k3(inference, training) -> float:
-    return MismatchMonitor().update(0, inference, training)["k3"]
+    return mismatch_summary(inference, training)["k3"] / UNIT
 
 
 def test_log_softmax_at_divides_in_fp32_after_the_cast_and_not_at_t1():

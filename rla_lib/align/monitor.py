@@ -6,10 +6,10 @@ verl `rollout_log_probs` and `old_log_probs` with `response_mask`; OpenRLHF the 
 `mismatch_metrics` (one batch) or to a `MismatchMeter` (collects steps between two logs), or let the
 `MismatchCallback` add the metrics to a `transformers.Trainer`'s logs. Padding (mask 0) is ignored, whatever
 it holds (NaN included); every tensor is converted to float64 first, so BF16 logprobs lose nothing to the
-arithmetic. The formulas are `mismatch_summary`'s, shared with `rla_lib.kl`'s estimators and `MismatchMonitor`.
+arithmetic. The formulas are `mismatch_summary`'s, shared with `rla_lib.kl`'s estimators and the GRPO loop's history.
 
 Metrics, with d = logp_inf - logp_train per response token and rho = exp(-d) = p_train / p_inf. Units: nats
-per token (not the 1e-4 units of `kl`'s tables and `MismatchMonitor`), nats per response for the
+per token (not the 1e-4 units of `kl`'s tables and the GRPO history's), nats per response for the
 `_per_sequence` keys; ratios and fractions have none. Token statistics pool every token of the batch.
 
     mismatch/k1                      mean d: the paper's KL(inference || training) estimator (unbiased, noisy)
@@ -89,7 +89,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 
-# ---- the formulas, on per-response arrays (also `rla_lib.kl`'s estimators and its `MismatchMonitor`) ----------------
+# ---- the formulas, on per-response arrays (also `rla_lib.kl`'s estimators and the GRPO loop's history) ------------
 def sampled_terms(inf_lp, train_lp):
     return np.asarray(inf_lp, np.float64) - np.asarray(train_lp, np.float64)
 
@@ -114,7 +114,7 @@ MISMATCH_STATS = ("k1", "k3", "abs_diff_mean", "abs_diff_max", "k1_per_sequence"
 
 def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None, training_full=None,
                      tis_cap: float = TIS_CAP) -> dict:
-    """One batch's mismatch, in nats: the formulas behind `MismatchMonitor` and `rla_lib.align.monitor`.
+    """One batch's mismatch, in nats: the formulas behind `mismatch_metrics` and the GRPO loop's history.
 
     Inputs are lists with one array per response: each sampled token's logprob on each side, and
     optionally both sides' full (T, V) log-distributions for the exact KL. With d = logp_inf - logp_train
@@ -282,18 +282,40 @@ class MismatchMeter:
         meter = MismatchMeter()
         meter.record(rollout_log_probs, old_log_probs, response_mask)   # every step; returns that step's metrics
         logger.log(meter.flush())                                       # every logging step: combined, then reset
+
+    It warns (once per rise) when the recent steps' k3 climbs above `warn_ratio` times its early level: the paper's
+    first advice to a team is to log this gap and watch it before a collapse.
     """
 
-    def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None, also_as=()):
+    def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None, also_as=(), warn_ratio: float = 3.0,
+                 baseline_steps: int = 5, window: int = 5):
         with_names_of({}, also_as)
         self.tis_cap, self.across, self.also_as = tis_cap, across, tuple(also_as)  # as in `mismatch_metrics`
+        self.warn_ratio, self.baseline_steps, self.window = warn_ratio, baseline_steps, window
         self.pending: list[dict[str, float]] = []
+        self.k3_steps: list[float] = []  # every recorded step's k3, nats per token
+        self.rising = False
 
     def record(self, inference_logprobs, training_logprobs, mask, inference_full=None, training_full=None) -> dict:
         metrics = mismatch_metrics(inference_logprobs, training_logprobs, mask, inference_full, training_full,
                                    self.tis_cap, self.across)
         self.pending.append(metrics)
+        self.watch(metrics.get(f"{PREFIX}k3", np.nan))
         return metrics
+
+    def watch(self, k3: float) -> None:
+        """One more step's k3 (nats per token; a loop that computes it itself calls this): warns when the mean of the
+        last `window` steps exceeds `warn_ratio` times the median of the first `baseline_steps`."""
+        self.k3_steps.append(k3)
+        if len(self.k3_steps) < self.baseline_steps + self.window:
+            return
+        baseline = np.nanmedian(self.k3_steps[: self.baseline_steps])
+        recent = np.nanmean(self.k3_steps[-self.window :])
+        rising = bool(baseline > 0 and recent > self.warn_ratio * baseline)
+        if rising and not self.rising:
+            warnings.warn(f"mismatch rising: recent k3 {recent:.3g} nats per token is {recent / baseline:.1f}x its "
+                          f"early level {baseline:.3g} (step {len(self.k3_steps)} recorded)", RuntimeWarning, stacklevel=3)
+        self.rising = rising
 
     def flush(self) -> dict[str, float]:
         """The steps recorded since the last flush, combined (`combine`), with the `also_as` names; empty if none
