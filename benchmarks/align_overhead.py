@@ -51,7 +51,8 @@ from rla_lib import align as rla
 from rla_lib.engine_align import engine_schedule_for
 from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib.kl import bootstrap_indices
-from rla_lib.machine import capped_name, use_bf16_matmul
+from rla_lib.bf16_matmul import use_bf16_matmul
+from rla_lib.machine import capped_name
 from rla_lib.paths import MODELS_DIR, RESULTS_DIR, atomic_write
 from rla_lib.report import save_table
 from rla_lib.align.vector_sums import rms_sum_layouts

@@ -6,7 +6,7 @@ For each level (a subprocess capped with `rla_lib.machine.isa_environment`), tim
 BF16 linear layer, (2560 x 256) @ (256 x 768) forward and forward+backward, and one forward+backward of the
 embedded qwen3-tiny on a GRPO-sized batch (128 x 24 tokens):
   native : torch's BF16 GEMM (what Transformers runs by default)
-  fp32   : `rla_lib.machine.LinearFP32Accumulate`, FP32 products of the BF16 operands, rounded once
+  fp32   : `rla_lib.bf16_matmul.LinearFP32Accumulate`, FP32 products of the BF16 operands, rounded once
   float32: the FP32 model, for reference
 and how often the fp32 path's outputs equal torch's BF16 GEMM and the engine's (vLLM-CPU's oneDNN matmul,
 or torch's linear where vLLM falls back to it). Writes tables/bench_bf16_matmul.csv.
@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from rla_lib import machine
+from rla_lib import bf16_matmul, machine
 from rla_lib.engine import bf16_linear
 from rla_lib.report import save_table
 
@@ -43,7 +43,7 @@ def best_seconds(fn, repeats: int = 7) -> float:
 def linear_speeds() -> list[dict]:
     g = torch.Generator().manual_seed(0)
     x32, w32, grad = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / 16, torch.randn(M, N, generator=g)
-    kernels = dict(native=lambda x, w: F.linear(x, w), fp32=lambda x, w: machine.LinearFP32Accumulate.apply(x, w, None),
+    kernels = dict(native=lambda x, w: F.linear(x, w), fp32=lambda x, w: bf16_matmul.LinearFP32Accumulate.apply(x, w, None),
                    float32=lambda x, w: F.linear(x, w))
     rows = []
     for name, kernel in kernels.items():
@@ -61,7 +61,7 @@ def linear_speeds() -> list[dict]:
 def bit_agreement() -> dict:
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(512, K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) / 16).bfloat16()
-    fp32 = machine.LinearFP32Accumulate.apply(x, w, None)
+    fp32 = bf16_matmul.LinearFP32Accumulate.apply(x, w, None)
     native = F.linear(x, w)
     engine_name, engine = bf16_linear(w)
     eng = engine(x)
@@ -77,7 +77,7 @@ def model_speed() -> list[dict]:
     rows = []
     for name, dtype, mode in [("native", "bfloat16", "native"), ("fp32", "bfloat16", "fp32"), ("float32", "float32", "native")]:
         model = load_model("qwen3-tiny", dtype=dtype)
-        machine.use_bf16_matmul(model, mode)
+        bf16_matmul.use_bf16_matmul(model, mode)
         model.train()
 
         def step():

@@ -18,7 +18,7 @@ its pages in): the median over 11 steps is the steady step.
 The real shape's weights are random: it earns no reward, every advantage is 0 and so is every gradient, and the step
 is not one that learns (torch's sqrt, in AdamW, is several times slower on the zero second moments that follow).
 `--rewards coin` gives each sample a seeded 0/1 reward instead. `--allocator default` measures the step with glibc
-giving freed memory back at once, as it does outside `grpo.run` (`rla_lib.machine.reuse_freed_memory`).
+giving freed memory back at once, as it does outside `grpo.run` (`rla_lib.memory.reuse_freed_memory`).
 """
 
 import argparse
@@ -36,7 +36,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rla_lib import grpo, native
-from rla_lib.machine import GLIBC_DEFAULTS, capped_name, malloc_environment, use_bf16_matmul
+from rla_lib.bf16_matmul import use_bf16_matmul
+from rla_lib.machine import capped_name
+from rla_lib.memory import GLIBC_DEFAULTS, malloc_environment
 from rla_lib.models import resolve_model
 from rla_lib.paths import slug
 from rla_lib.report import save_table

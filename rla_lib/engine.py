@@ -49,7 +49,8 @@ import torch
 from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, MappedWeights, as_a_guest, engine_environment,
                              engine_settings, environment_of, guest_call, input_embedding_reloaded_in_place, multiprocess,
                              pack_tensor, remove_orphaned_weights, restore_environment, unpack_tensor, write_safetensors)
-from .machine import trim_freed_memory, usable_cores
+from .machine import usable_cores
+from .memory import trim_freed_memory
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
 from .scoring import log_softmax_at
@@ -193,7 +194,7 @@ class WorkerExtension:
                                                           for task in os.listdir("/proc/self/task")}))
 
     def trim_freed_memory(self) -> None:
-        """Bound the freed memory this process keeps for the next push (rla_lib.machine.trim_freed_memory); a push
+        """Bound the freed memory this process keeps for the next push (rla_lib.memory.trim_freed_memory); a push
         frees the last push's weights, so what it keeps is up to what it uses."""
         trim_freed_memory(keep=1.0)
 

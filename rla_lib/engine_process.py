@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .machine import KEEP_FREED_ENVIRONMENT, compile_cache_environment, with_child_site
+from .machine import compile_cache_environment, with_child_site
+from .memory import KEEP_FREED_ENVIRONMENT
 from .paths import ROOT
 
 # What vLLM's in-process worker sets for the process it believes its own (cpu_worker, multimodal cache) and an
@@ -52,7 +53,7 @@ def engine_environment() -> dict[str, str]:
         # slower here) and frees the core 50 ms after a request (rla_lib/child_site; benchmarks/grpo_step.py).
         "RLA_VLLM_IDLE_SPIN_S": "0.05",
     } | KEEP_FREED_ENVIRONMENT | compile_cache_environment()  # a weight push reuses the last push's memory (glibc
-    # keeps what it frees, machine.reuse_freed_memory); a capped instruction set compiles into its own cache
+    # keeps what it frees, memory.reuse_freed_memory); a capped instruction set compiles into its own cache
     env = {name: value for name, value in defaults.items() if name not in os.environ}
     # the engine's processes apply the logging level before vLLM's import-time warnings (rla_lib/child_site)
     env["PYTHONPATH"] = with_child_site(os.environ.get("PYTHONPATH", ""))

@@ -52,7 +52,9 @@ from .align import align
 from .align.monitor import TIS_CAP, MismatchMeter, mismatch_summary
 from .engine import Engine
 from .kl import UNIT
-from .machine import machine, reuse_freed_memory, trim_freed_memory, use_fp32_row_blocks
+from .bf16_matmul import use_fp32_row_blocks
+from .machine import machine
+from .memory import reuse_freed_memory, trim_freed_memory
 from .models import check_memory, load_model, resolve_model
 from .paths import atomic_write
 from .progress import bar

@@ -1,4 +1,4 @@
-"""The machine a number came from, and the BF16 kernels it runs.
+"""The machine a number came from: what it is, and the instruction-set level it runs as.
 
 BF16 results depend on the CPU. torch, oneDNN, inductor's generated C++ and vLLM's own kernels each pick
 code by instruction set (native BF16 dot products on AVX512-BF16 or AMX, emulation on AVX2), and each
@@ -8,34 +8,27 @@ path rounds in its own places: the same commit gives different gaps on different
   dispatched to, library versions); every table and cache records it (`report`, `mismatch`, `graphs`);
 - `ISA_LEVELS` / `isa_environment` cap a subprocess to a lower instruction set, to study that spread on
   one machine (torch's aten kernels, inductor's code, oneDNN and vLLM's kernel library all follow);
-- `use_bf16_matmul` gives the training side a BF16 GEMM at FP32 speed where the CPU has no BF16
-  instructions (there torch's BF16 matmul is 5-50x slower than FP32; see `benchmarks/bf16_matmul.py`).
+- `python -m rla_lib.machine --level LEVEL COMMAND` runs a command so capped.
+
+The training side's BF16 matmul is `rla_lib.bf16_matmul`'s; the allocator's tuning `rla_lib.memory`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import functools
-import gc
 import getpass
 import hashlib
 import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
-import types
 from importlib import metadata
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import native
 from .settings import setting
 
 # The CPU flags that decide which BF16 kernels run (Linux /proc/cpuinfo spelling).
@@ -62,7 +55,6 @@ ISA_LEVELS = {
                           MKL_ENABLE_INSTRUCTIONS="AVX2")),
 }
 CHILD_SITE_DIR = Path(__file__).parent / "child_site"  # start-up code of the processes rla_lib starts
-BF16_MATMUL_MODES = ("auto", "native", "fp32")
 
 
 # ---- what the machine is -------------------------------------------------------------------------
@@ -197,6 +189,9 @@ def vllm_cpu_attention_kernel() -> str:
     return "avx2"
 
 
+BF16_MATMUL_MODES = ("auto", "native", "fp32")
+
+
 def native_bf16() -> bool:
     """Whether BF16 matmuls run on BF16 instructions here (CUDA, or a CPU level with AVX512-BF16 / AMX)."""
     if torch.cuda.is_available():
@@ -273,150 +268,6 @@ def describe(m: dict | None = None) -> str:
 # ---- a BF16 GEMM at FP32 speed ---------------------------------------------------------------------
 # FP32 GEMM libraries (MKL here) pick their kernel, and with it the summation order of a row, by the shape: the
 # same row gave other bits in a 3-row product than in a 50-row one. So every product here is a loop of
-# ROW_BLOCK-row products of one shape. Within a block a row's order still depends on its place when the block is
-# not a whole number of the kernel's row panels per thread: with MKL's AVX2 code (an Intel CPU capped to AVX2) and
-# 64-row blocks on 2 threads, rows 30, 31, 62 and 63 of a block were summed otherwise for outputs of 16-64 columns.
-# 48 rows (2 threads x 24, a multiple of 6- and 8-row panels) gave every row the same bits at every place, on 1 and
-# 2 threads, with MKL's AVX2 and AVX-512 code (tests/test_machine.py), as torch's BF16 GEMM gives.
-ROW_BLOCK = 48
-
-
-def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight_t (+ bias) for a 2-D FP32 x, as products of `ROW_BLOCK` rows each (the last padded with zeros):
-    each row's bits then do not depend on how many rows are multiplied with it."""
-    rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -rows % ROW_BLOCK))
-    blocks = padded.split(ROW_BLOCK) or [padded]  # no rows: one empty product
-    products = [b @ weight_t if bias is None else torch.addmm(bias, b, weight_t) for b in blocks]
-    return torch.cat(products)[:rows]
-
-
-def engine_linear_is_onednns() -> bool:
-    """Whether vLLM-CPU multiplies BF16 with oneDNN's matmul without BF16 instructions: its `_C_AVX512` build, whose
-    `onednn_mm` is the oneDNN kernel torch's own BF16 linear calls at this level (equal bit for bit, `spread.kernel_probe`
-    measures it per level). Its sums are not the FP32 library's: 27 of 393,216 outputs of a (512 x 256) @ (256 x 768)
-    product round otherwise on an AMD EPYC (Zen 5) capped to AVX-512."""
-    return not torch.cuda.is_available() and vllm_cpu_attention_kernel() == "avx512"
-
-
-def engine_linear_is_torchs() -> bool:
-    """Whether vLLM-CPU multiplies BF16 with torch's own BF16 linear here: its `_C_AVX2` build (no AVX-512), where
-    oneDNN refuses BF16 (`engine.bf16_linear`). Its sums are then torch's dot products', not the FP32 library's: on an
-    AMD EPYC (Zen 3) 15 of 204,800 outputs of a (400 x 256) @ (256 x 512) product round otherwise."""
-    return not torch.cuda.is_available() and vllm_cpu_attention_kernel() == "avx2"
-
-
-@functools.cache
-def _dot_loop_is_torchs() -> bool:
-    """Whether native_kernels.c's loop of torch's BF16 dot products gives torch's BF16 linear's bits in this process,
-    checked once on products with a bias and every kind of tail: torch runs that loop only without BF16 instructions
-    and without oneDNN's BF16 GEMM (an AVX2-only CPU; under a cap on a larger CPU torch may still pick oneDNN)."""
-    if native.library() is None:
-        return False
-    g = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((9, 2 * 64 + 16 + 5), (40, 2 * 64 + 16 + 5), (40,)))
-    return all(torch.equal(native.torch_dot_linear(x[:m], w).add(b.float()).bfloat16(), F.linear(x[:m], w, b)) for m in (1, 9))
-
-
-def torch_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) of a 2-D BF16 x with the bits of torch's BF16 linear here: the C loop of its dot
-    products where it gives them (`_dot_loop_is_torchs`), else torch's kernel itself (several times slower)."""
-    if not _dot_loop_is_torchs():
-        return F.linear(x, weight, bias)
-    out = native.torch_dot_linear(x, weight)
-    return (out if bias is None else out + bias.float()).to(x.dtype)  # torch adds the bias in FP32, rounds once
-
-
-class LinearFP32Accumulate(torch.autograd.Function):
-    """y = x W^T + b for BF16 x, W, b as BF16 hardware computes it: exact products of the BF16 operands,
-    FP32 sums, one rounding to BF16 (only the summation order can differ from a BF16 GEMM); a row's bits do not
-    depend on the other rows (`rows_times`). Where the engine multiplies otherwise, the forward sums in its order:
-    torch's BF16 linear without AVX-512 (`torch_bf16_linear`), oneDNN's with AVX-512 but no BF16 instructions (torch's
-    own BF16 linear calls it there). Backward in FP32 (`rows_times`) either way."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-            # a graph being traced (torch.compile, `graphs.aten`'s dispatch mode) reads rounding points, not row
-            # bits: it gets the plain product, the pattern the graph reader knows
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-        if x.dtype == torch.bfloat16 and engine_linear_is_torchs():
-            out = torch_bf16_linear(x.reshape(-1, x.shape[-1]), weight, bias)
-        elif x.dtype == torch.bfloat16 and engine_linear_is_onednns():
-            out = F.linear(x, weight, bias)  # oneDNN's sums, as the engine's onednn_mm
-        else:
-            out = rows_times(x.reshape(-1, x.shape[-1]).float(), weight.float().T, None if bias is None else bias.float())
-        return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.float().reshape(-1, grad.shape[-1])
-        rows = x.reshape(-1, x.shape[-1])
-        # Rows with an all-zero gradient (padding and masked positions: a third of a GRPO minibatch) add exact
-        # zeros to every sum, so they are left out: an input-gradient row keeps its bits (rows_times) and the weight
-        # gradient sums the same terms without the zeros (the FP32 library may group them otherwise)
-        live = g.any(1).nonzero()[:, 0]
-        some_dead = len(live) < len(g)
-        if some_dead:
-            g, rows = g[live], rows[live]
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = rows_times(g, weight.float()).to(x.dtype)
-            if some_dead:
-                grad_x = x.new_zeros(x.shape).view(-1, x.shape[-1]).index_copy_(0, live, grad_x)
-            grad_x = grad_x.reshape(x.shape)
-        grad_w = (g.T @ rows.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-def _linear_fp32_accumulate(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-        return LinearFP32Accumulate.apply(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)  # FP32 models, CUDA: the stock kernel
-
-
-def _linear_fp32_row_blocks(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-        return LinearFP32Accumulate.apply(x, self.weight, self.bias)  # FP32 operands: the FP32 GEMM in row blocks
-    return F.linear(x, self.weight, self.bias)
-
-
-def use_fp32_row_blocks(model: torch.nn.Module) -> None:
-    """Make an FP32 model's linear layers multiply in `ROW_BLOCK`-row products (`rows_times`), so a row's bits do
-    not depend on its batch. MKL's AVX2 FP32 GEMM (an Intel CPU capped to AVX2) sums a row in an order that
-    depends on the row count; the GRPO fast step scores rows apart from their batch (the FP32 control)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = types.MethodType(_linear_fp32_row_blocks, module)
-
-
-def has_fp32_matmul(module: torch.nn.Module) -> bool:
-    """Whether `use_bf16_matmul(..., "fp32")` replaced this module's forward (the only patch it makes)."""
-    forward = module.__dict__.get("forward")
-    return getattr(forward, "__func__", None) is _linear_fp32_accumulate
-
-
-def use_bf16_matmul(model: torch.nn.Module, mode: str | None = None) -> str:
-    """Make `model`'s linear layers multiply BF16 the `mode` way (default `bf16_matmul_mode()`); returns the mode.
-
-    "fp32" replaces each `nn.Linear`'s forward on this instance (only BF16 CPU inputs take the FP32 path);
-    "native" restores torch's kernel. Both sides of a comparison made through `models.load_model` get the
-    same kernel, so stock vs aligned is never a kernel difference.
-    """
-    mode = bf16_matmul_mode() if mode is None else mode
-    if mode not in ("native", "fp32"):
-        raise ValueError(f"mode must be 'native' or 'fp32', got {mode!r}")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            if mode == "fp32":
-                module.forward = types.MethodType(_linear_fp32_accumulate, module)
-            elif has_fp32_matmul(module):  # only its own patch
-                del module.forward
-    return mode
 
 
 def main(argv=None) -> int:
@@ -436,88 +287,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-# glibc's mallopt parameters (malloc.h) and their defaults
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
-KEEP_FREED = {M_TRIM_THRESHOLD: 2**31 - 1, M_MMAP_MAX: 0}  # trim only above 2 GB free; no block on its own pages
-
-
-def malloc_environment(settings: dict[int, int]) -> dict[str, str]:
-    """mallopt `settings` as the variables glibc reads at a process's first malloc (for processes started later)."""
-    names = {M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_", M_MMAP_MAX: "MALLOC_MMAP_MAX_"}
-    return {names[parameter]: str(value) for parameter, value in settings.items()}
-
-
-# vLLM's engine processes': freed memory kept, and their heap backed by transparent huge pages where the kernel gives
-# them on request (THP "madvise"; glibc.malloc.hugetlb asks). A weight push's repacked layers then fault in 2 MB at a
-# time, not 4 KB: a push whose new layers did not fit in the kept memory took twice as long in small pages.
-KEEP_FREED_ENVIRONMENT = malloc_environment(KEEP_FREED) | {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-
-FREED_MEMORY_KEPT = 0.5  # freed memory kept for reuse at most, as a share of the memory in use (`trim_freed_memory`)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-@functools.cache
-def _glibc():
-    """glibc, where it has what `reuse_freed_memory` needs (mallopt, malloc_trim, mallinfo2: 2.33 or later), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None)
-    if not all(hasattr(libc, name) for name in ("mallopt", "malloc_trim", "mallinfo2")):
-        return None
-    libc.mallinfo2.restype = _MallInfo2
-    return libc
-
-
-@contextlib.contextmanager
-def reuse_freed_memory():
-    """Inside, glibc keeps the memory a process frees and hands it out again, as a GPU caching allocator does (call
-    `trim_freed_memory` between steps to bound what it keeps); on leaving, glibc's defaults again and the kept memory
-    goes back to the system (`release_memory`; a block later allocated and freed inside the heap the run grew waits
-    for the next `release_memory`).
-
-    A training step frees and allocates the same large tensors each time (the tied embedding's vocabulary-sized
-    gradients, the log-softmax over the vocabulary). By default glibc gives each one back to the system when it is
-    freed, and the next step faults its pages in again, zeroed, page by page (slow in a VM). The arithmetic, and so
-    every bit, is unchanged; `benchmarks/grpo_step.py --allocator default` measures the difference. Elsewhere than
-    glibc 2.33 or later, nothing changes."""
-    libc = _glibc()
-    if libc is None:
-        yield
-        return
-    for parameter, value in KEEP_FREED.items():
-        libc.mallopt(parameter, value)
-    try:
-        yield
-    finally:
-        for parameter, value in GLIBC_DEFAULTS.items():
-            libc.mallopt(parameter, value)
-        release_memory()
-
-
-def trim_freed_memory(keep: float = FREED_MEMORY_KEPT) -> None:
-    """Give the freed memory glibc keeps back to the system once it is more than `keep` times the memory in use. glibc
-    before 2.38 does not hand a freed block to an aligned allocation (torch's) of the same size, so what
-    `reuse_freed_memory` keeps can grow step after step without this bound; a GRPO step at the real shape leaves
-    about a quarter of its memory freed, which the next step takes again."""
-    libc = _glibc()
-    if libc is not None:
-        info = libc.mallinfo2()
-        if info.fordblks > keep * info.uordblks:
-            libc.malloc_trim(0)
-
-
-def release_memory() -> None:
-    """Give freed memory back to the system between large jobs in one process: collect reference cycles, then have
-    glibc return its free heap pages (a second GRPO run at the real shape otherwise found the first one's memory
-    still held by the process, and was refused)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).malloc_trim(0)
-

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .machine import engine_core_environment, usable_cores, use_bf16_matmul
+from .bf16_matmul import use_bf16_matmul
+from .machine import engine_core_environment, usable_cores
 from .paths import MODELS_DIR
 from .settings import setting
 

@@ -1,5 +1,5 @@
 """The training side's kernel-order loops outside the aligned layer, in C (native_kernels.c), for speed: torch's BF16
-dot-product GEMM without BF16 instructions (`machine.torch_bf16_linear`), which torch runs at a third of the FP32
+dot-product GEMM without BF16 instructions (`bf16_matmul.torch_bf16_linear`), which torch runs at a third of the FP32
 library's rate; and the GRPO update's memory-bound parts: torch's for-loop AdamW (`AdamW`) in one pass over memory
 instead of seven, and torch's 2-norm of BF16 gradients (`bf16_norms`, the clip's) without FP32 copies of them. Same
 operations in the same order, so the same bits (tests/test_native.py).

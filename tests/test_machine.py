@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rla_lib import machine
+from rla_lib import bf16_matmul, machine, memory
 from rla_lib.align import REGIONS, align
 from tiny_models import one_thread, tiny_model  # noqa: F401 (one_thread: an autouse fixture)
 
@@ -42,7 +42,7 @@ def operands(m=512, k=256, n=768, seed=0):
 # ---- the BF16 GEMM at FP32 speed -------------------------------------------------------------------
 def test_fp32_accumulate_linear_is_one_rounding_of_the_exact_products():
     x, w, b = operands()
-    out = machine.LinearFP32Accumulate.apply(x, w, b)
+    out = bf16_matmul.LinearFP32Accumulate.apply(x, w, b)
     bound, exact = summation_bound(x, w, b)  # BF16 products are exact in FP64; only the sum and rounding differ
     assert out.dtype == BF16
     assert ((out.double() - exact).abs() <= bound).all()
@@ -51,7 +51,7 @@ def test_fp32_accumulate_linear_is_one_rounding_of_the_exact_products():
 
 def test_fp32_accumulate_linear_matches_torch_bf16_gemm_up_to_summation_order():
     x, w, b = operands(seed=1)
-    ours, torchs = machine.LinearFP32Accumulate.apply(x, w, b), F.linear(x, w, b)
+    ours, torchs = bf16_matmul.LinearFP32Accumulate.apply(x, w, b), F.linear(x, w, b)
     # both sum FP32 products (torch may add the bias after rounding); orders differ, so a few outputs sit on
     # the other side of a rounding boundary
     bound, _ = summation_bound(x, w, b)
@@ -63,7 +63,7 @@ def test_fp32_accumulate_linear_gradients_are_the_fp32_products_rounded_once():
     x, w, b = operands(m=64, seed=2)
     x, w, b = x.requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
     grad = torch.randn(64, w.shape[0], generator=torch.Generator().manual_seed(3)).to(BF16)
-    machine.LinearFP32Accumulate.apply(x, w, b).backward(grad)
+    bf16_matmul.LinearFP32Accumulate.apply(x, w, b).backward(grad)
     assert torch.equal(x.grad, (grad.float() @ w.detach().float()).to(BF16))
     assert torch.equal(w.grad, (grad.float().T @ x.detach().float()).to(BF16))
     assert torch.equal(b.grad, grad.float().sum(0).to(BF16))
@@ -81,7 +81,7 @@ def test_fp32_accumulate_linear_rows_do_not_depend_on_the_batch():
 
     def forward_and_input_grad(rows):
         xs = x[rows].clone().requires_grad_()
-        out = machine.LinearFP32Accumulate.apply(xs, w, b)
+        out = bf16_matmul.LinearFP32Accumulate.apply(xs, w, b)
         out.backward(grad[rows])
         return out.detach(), xs.grad
 
@@ -89,7 +89,7 @@ def test_fp32_accumulate_linear_rows_do_not_depend_on_the_batch():
     for start, count in [(0, 1), (5, 3), (37, 17), (100, 64), (300, 65), (13, 250), (0, 699)]:
         part = forward_and_input_grad(slice(start, start + count))
         assert all(torch.equal(p, w_[start : start + count]) for p, w_ in zip(part, whole)), (start, count)
-    batched = machine.LinearFP32Accumulate.apply(x.view(7, 100, 256), w, b)  # leading dimensions are rows too
+    batched = bf16_matmul.LinearFP32Accumulate.apply(x.view(7, 100, 256), w, b)  # leading dimensions are rows too
     assert torch.equal(batched.view(700, 768), whole[0])
 
 
@@ -99,13 +99,13 @@ def test_a_row_gets_the_same_bits_at_every_place_in_a_row_block(k, n, threads):
     """MKL's row panels: a row at the end of a thread's share of a block can be summed in another order (AVX2,
     64-row blocks: rows 30, 31, 62, 63 with 16-64 outputs). A row block must hold whole panels on every thread."""
     g = torch.Generator().manual_seed(k + n)
-    x, w = torch.randn(machine.ROW_BLOCK + 1, k, generator=g), torch.randn(n, k, generator=g)
+    x, w = torch.randn(bf16_matmul.ROW_BLOCK + 1, k, generator=g), torch.randn(n, k, generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = machine.rows_times(x[:1], w.T)
-        moved = [place for place in range(machine.ROW_BLOCK + 1)
-                 if not torch.equal(machine.rows_times(torch.cat([x[1 : 1 + place], x[:1]]), w.T)[-1:], alone)]
+        alone = bf16_matmul.rows_times(x[:1], w.T)
+        moved = [place for place in range(bf16_matmul.ROW_BLOCK + 1)
+                 if not torch.equal(bf16_matmul.rows_times(torch.cat([x[1 : 1 + place], x[:1]]), w.T)[-1:], alone)]
     finally:
         torch.set_num_threads(before)
     assert moved == []
@@ -114,7 +114,7 @@ def test_a_row_gets_the_same_bits_at_every_place_in_a_row_block(k, n, threads):
 def test_the_fp32_control_multiplies_in_row_blocks_and_bf16_models_are_left_alone():
     model = tiny_qwen3().float().eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
-    machine.use_fp32_row_blocks(model)
+    bf16_matmul.use_fp32_row_blocks(model)
     with torch.no_grad():
         alone = model(input_ids=ids[1:2]).logits
         batched = model(input_ids=ids).logits
@@ -122,7 +122,7 @@ def test_the_fp32_control_multiplies_in_row_blocks_and_bf16_models_are_left_alon
     bf16 = tiny_qwen3().to(BF16).eval()
     with torch.no_grad():
         before = bf16(input_ids=ids).logits
-        machine.use_fp32_row_blocks(bf16)  # BF16 inputs are not its job: torch's kernel, bitwise
+        bf16_matmul.use_fp32_row_blocks(bf16)  # BF16 inputs are not its job: torch's kernel, bitwise
         assert torch.equal(bf16(input_ids=ids).logits, before)
 
 
@@ -138,7 +138,7 @@ def test_fp32_accumulate_linear_backward_leaves_out_rows_without_gradient():
 
     def gradients(rows):
         xs, ws, bs = (t.clone().requires_grad_() for t in (x[rows], w, b))
-        machine.LinearFP32Accumulate.apply(xs[None], ws, bs).backward(grad[rows][None])  # (1, rows, features)
+        bf16_matmul.LinearFP32Accumulate.apply(xs[None], ws, bs).backward(grad[rows][None])  # (1, rows, features)
         return xs.grad, ws.grad, bs.grad
 
     (gx, gw, gb), (lx, lw, lb) = gradients(slice(None)), gradients(~dead)
@@ -152,15 +152,15 @@ def test_use_bf16_matmul_patches_every_linear_and_native_restores_torch_bitwise(
     with torch.no_grad():
         stock = model(input_ids=ids).logits
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert machine.use_bf16_matmul(model, "fp32") == "fp32"
-        assert all(machine.has_fp32_matmul(m) for m in linears)
+        assert bf16_matmul.use_bf16_matmul(model, "fp32") == "fp32"
+        assert all(bf16_matmul.has_fp32_matmul(m) for m in linears)
         fast = model(input_ids=ids).logits
-        assert machine.use_bf16_matmul(model, "native") == "native"
-        assert not any(machine.has_fp32_matmul(m) for m in linears)
+        assert bf16_matmul.use_bf16_matmul(model, "native") == "native"
+        assert not any(bf16_matmul.has_fp32_matmul(m) for m in linears)
         assert torch.equal(model(input_ids=ids).logits, stock)
     assert (fast - stock).abs().max().item() < 0.1 * stock.abs().max().item()  # the same model, other summation order
     with pytest.raises(ValueError, match="native"):
-        machine.use_bf16_matmul(model, "bf16")
+        bf16_matmul.use_bf16_matmul(model, "bf16")
 
 
 def test_fp32_matmul_leaves_fp32_models_bitwise_alone():
@@ -168,13 +168,13 @@ def test_fp32_matmul_leaves_fp32_models_bitwise_alone():
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(input_ids=ids).logits
-        machine.use_bf16_matmul(model, "fp32")
+        bf16_matmul.use_bf16_matmul(model, "fp32")
         assert torch.equal(model(input_ids=ids).logits, before)
 
 
 def test_alignment_on_the_fp32_matmul_is_reversible_bitwise():
     model = tiny_qwen3().to(BF16).eval()
-    machine.use_bf16_matmul(model, "fp32")
+    bf16_matmul.use_bf16_matmul(model, "fp32")
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         stock = model(input_ids=ids).logits
@@ -183,7 +183,7 @@ def test_alignment_on_the_fp32_matmul_is_reversible_bitwise():
         handle.undo()
         assert torch.equal(model(input_ids=ids).logits, stock)
     assert not torch.equal(aligned, stock)  # alignment still acts on top of the kernel
-    assert all(machine.has_fp32_matmul(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(bf16_matmul.has_fp32_matmul(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_bf16_matmul_mode_reads_the_environment(monkeypatch):
@@ -269,8 +269,8 @@ out = {}
 for m, k, n in [(512, 256, 768), (512, 768, 256), (600, 1024, 3072), (600, 3072, 1024)]:
     x, w, b = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) / 16).bfloat16(), torch.randn(n, generator=g).bfloat16()
     name, engine = bf16_linear(w)
-    ours = machine.LinearFP32Accumulate.apply(x, w, None)
-    fp32_library = machine.rows_times(x.float(), w.float().T, None).bfloat16()
+    ours = bf16_matmul.LinearFP32Accumulate.apply(x, w, None)
+    fp32_library = bf16_matmul.rows_times(x.float(), w.float().T, None).bfloat16()
     out[f"{m}x{k}x{n}"] = dict(kernel=name, differing=int((ours != engine(x)).sum()), library_differing=int((fp32_library != engine(x)).sum()))
 print(json.dumps(dict(level=machine.isa_level(), mode=machine.bf16_matmul_mode(), products=out)))
 """
@@ -302,7 +302,7 @@ def test_the_training_forward_sums_as_the_engines_linear_at_levels_without_bf16_
 
 FREED_MEMORY_PROBE = """
 import json, os, torch
-from rla_lib.machine import reuse_freed_memory, trim_freed_memory
+from rla_lib.memory import reuse_freed_memory, trim_freed_memory
 size = 256 << 20
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -324,7 +324,7 @@ print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_s
 """
 
 
-@pytest.mark.skipif(machine._glibc() is None, reason="glibc 2.33 or later only")
+@pytest.mark.skipif(memory._glibc() is None, reason="glibc 2.33 or later only")
 def test_freed_memory_is_kept_for_reuse_inside_and_given_back_after():
     out = subprocess.run([sys.executable, "-c", FREED_MEMORY_PROBE], capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

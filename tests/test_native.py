@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rla_lib.align import attention as rla_attention
-from rla_lib import machine, native
+from rla_lib import bf16_matmul, machine, native
 from rla_lib.align import vector_sums
 from rla_lib.align.vector_sums import lane_tree_sum
 
@@ -154,22 +154,22 @@ def test_torch_dot_linear_sums_in_torchs_dot_order(rows, k, cols):
     assert not torch.equal(fast, x.float() @ w.float().T) or k <= 8
 
 
-@pytest.mark.skipif(not machine.engine_linear_is_torchs(), reason="torch's BF16 linear here is not its dot-product loop "
+@pytest.mark.skipif(not bf16_matmul.engine_linear_is_torchs(), reason="torch's BF16 linear here is not its dot-product loop "
                     "(BF16 instructions or oneDNN's BF16 GEMM): only an AVX2-only CPU runs it")
 def test_torch_bf16_linear_is_torchs_kernel_bit_for_bit():
     """On an AVX2-only CPU (vLLM's `_C_AVX2` build multiplies with torch's BF16 linear) the training side's forward
     gives torch's own BF16 linear's bits, bias included, at every row count (a row's sum does not depend on the rest)."""
-    assert machine._dot_loop_is_torchs()  # the C loop is taken, not the slow kernel itself
+    assert bf16_matmul._dot_loop_is_torchs()  # the C loop is taken, not the slow kernel itself
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(130, 1000, generator=g).bfloat16(), (torch.randn(77, 1000, generator=g) / 16).bfloat16(), \
         torch.randn(77, generator=g).bfloat16()
     for m in (1, 2, 7, 48, 130):
-        assert torch.equal(machine.torch_bf16_linear(x[:m], w), F.linear(x[:m], w))
-        assert torch.equal(machine.torch_bf16_linear(x[:m], w, b), F.linear(x[:m], w, b))
+        assert torch.equal(bf16_matmul.torch_bf16_linear(x[:m], w), F.linear(x[:m], w))
+        assert torch.equal(bf16_matmul.torch_bf16_linear(x[:m], w, b), F.linear(x[:m], w, b))
     # the FP32 library's sums, the path at other levels, round otherwise in about 3 outputs in 10,000 (a product
     # of 80,000 outputs: some 24 expected)
     x, w = torch.randn(400, 1000, generator=g).bfloat16(), (torch.randn(200, 1000, generator=g) / 16).bfloat16()
-    assert not torch.equal(machine.rows_times(x.float(), w.float().T).bfloat16(), F.linear(x, w))
+    assert not torch.equal(bf16_matmul.rows_times(x.float(), w.float().T).bfloat16(), F.linear(x, w))
 
 
 def adamw_histories(make, betas, weight_decay, steps=4):

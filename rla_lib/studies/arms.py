@@ -19,7 +19,7 @@ from ..align.schedule import schedule_to_align_kwargs
 from ..engine import Engine
 from ..engine_align import engine_schedule_for
 from ..grpo import run
-from ..machine import release_memory
+from ..memory import release_memory
 from ..paths import slug
 
 # The configurations compared in notebook 06 and the settings search, by name.

@@ -38,7 +38,8 @@ from ..align.attention import KERNELS as ATTENTION_KERNELS
 from ..align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
 from ..align.schedule import load_schedule, schedule_to_align_kwargs
 from ..engine import Engine
-from ..machine import has_fp32_matmul, machine_key, use_bf16_matmul
+from ..bf16_matmul import has_fp32_matmul, use_bf16_matmul
+from ..machine import machine_key
 from ..mismatch import core_digest
 from ..models import resolve_model
 from ..paths import PACKAGE_DIR, RESULTS_DIR, atomic_write

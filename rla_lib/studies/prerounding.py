@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..align import REGIONS, align, aligned, current
-from ..machine import has_fp32_matmul
+from ..bf16_matmul import has_fp32_matmul
 from ..align.modeling_qwen import POINTS, ROUNDING_POINTS, Point, Rounding, rotary
 from ..rounding import region_difference
 

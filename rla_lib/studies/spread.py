@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .. import graphs, machine, mismatch, sides
+from .. import bf16_matmul, graphs, machine, mismatch, sides
 from ..align import REGIONS
 from ..align.schedule import schedule_to_align_kwargs
 from ..engine import bf16_linear
@@ -107,7 +107,7 @@ def kernel_probe() -> dict:
     engine_out = engine_fn(x)
     layer = torch.nn.Linear(256, 768, bias=False, dtype=torch.bfloat16)
     layer.weight.data.copy_(w)
-    machine.use_bf16_matmul(layer)
+    bf16_matmul.use_bf16_matmul(layer)
     with torch.no_grad():
         training_out = layer(x)
     return dict(inductor_vec_isa=str(cpu_vec_isa.pick_vec_isa()) or "none",
@@ -127,7 +127,7 @@ def measure(models, levels=None, matmul_control: bool = False, progress: bool | 
     `levels`: names in `machine.ISA_LEVELS`, "native" for this CPU's own level; None: every level it can run.
 
     matmul_control: also the first level with the training side's BF16 linear layers computed as FP32 products
-    (`machine.use_bf16_matmul`, what the lower levels use), labelled "<level>+fp32 matmul": whether a change between
+    (`bf16_matmul.use_bf16_matmul`, what the lower levels use), labelled "<level>+fp32 matmul": whether a change between
     levels comes from the engine's kernels or from the training side's matmul. Left out where this CPU's own level
     already runs FP32 products (a CPU without BF16 instructions): it would repeat that level."""
     levels = machine.resolve_levels(levels)
