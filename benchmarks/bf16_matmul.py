@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rla_lib import bf16_matmul, machine
-from rla_lib.engine import bf16_linear
+from rla_lib.engine_probes import bf16_linear
 from rla_lib.report import save_table
 
 M, K, N = 2560, 256, 768

@@ -38,7 +38,8 @@ from rla_lib.report import save_table
 CHILD = """
 import json, sys, time
 if __name__ == "__main__":
-    from rla_lib.engine import Engine, import_vllm, wait_for_closed_engines
+    from rla_lib.engine import Engine, wait_for_closed_engines
+    from rla_lib.engine_process import import_vllm
     import_vllm()  # the import is the process's, not the start's: a notebook has imported rla_lib before
     model, mode, wait, here = sys.argv[1], sys.argv[2], sys.argv[3] == "wait", sys.argv[4] == "here"
     t0 = time.perf_counter()

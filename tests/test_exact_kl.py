@@ -14,7 +14,7 @@ import torch
 from rla_lib import kl, mismatch, sides, task
 from rla_lib.align import REGIONS
 from rla_lib.engine import Engine
-from rla_lib.engine_process import pack_tensor, unpack_tensor
+from rla_lib.engine_worker import pack_tensor, unpack_tensor
 from rla_lib.exact_kl import exact_kl, kl_terms
 from rla_lib.models import load_model, resolve_model
 from rla_lib.scoring import token_logprobs

@@ -86,7 +86,7 @@ def test_weight_file_reads_back_bit_for_bit_and_is_rewritten_in_place(tmp_path):
     back as the new values through the same mappings; a new layout, even of the same size, is written anew."""
     from safetensors.torch import load_file
 
-    from rla_lib.engine_process import MappedWeights, write_safetensors
+    from rla_lib.engine_worker import MappedWeights, write_safetensors
 
     path = str(tmp_path / "model.safetensors")
     state = {k: v.detach().clone() for k, v in load_model("qwen3-tiny").state_dict().items() if k != "lm_head.weight"}

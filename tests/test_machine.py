@@ -262,7 +262,7 @@ def test_engines_side_by_side_get_cores_of_their_own_unless_a_binding_is_set(mon
 ENGINE_LINEAR_CHECK = """
 import json, torch
 from rla_lib import machine
-from rla_lib.engine import bf16_linear
+from rla_lib.engine_probes import bf16_linear
 g = torch.Generator().manual_seed(0)
 out = {}
 # the embedded models' layers and the 0.6B shape's, at a scoring batch's row counts (see the docstring)

@@ -82,7 +82,7 @@ def test_missing_vllm_names_the_fix(monkeypatch):
 
 
 def test_weight_folders_of_dead_processes_are_removed(tmp_path):
-    from rla_lib.engine_process import remove_orphaned_weights
+    from rla_lib.engine_worker import remove_orphaned_weights
     dead = subprocess.Popen(["true"])
     dead.wait()
     (tmp_path / f"rla-weights-{dead.pid}-abc").mkdir()

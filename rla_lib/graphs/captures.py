@@ -18,6 +18,7 @@ import torch
 
 from .. import sides
 from ..engine import Engine
+from ..engine_probes import compilation_info, probe_rotary_kernel
 from ..machine import compile_cache_environment, machine, machine_key
 from ..models import concurrent_processes, load_model, resolve_model, side_by_side
 from ..paths import PACKAGE_DIR
@@ -123,10 +124,10 @@ def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
     g = tracer.graph
     if mode == "eager":
         try:
-            g.meta.setdefault("probes", {})["rotary_embedding"] = eng.probe_rotary_kernel()
+            g.meta.setdefault("probes", {})["rotary_embedding"] = probe_rotary_kernel()
         except Exception as e:  # noqa: BLE001 - recorded, the analysis then reports the kernel as opaque
             g.meta.setdefault("probes", {})["rotary_embedding"] = {"error": f"{type(e).__name__}: {e}"}
-    info = eng.compilation_info()
+    info = compilation_info(eng)
     found = dict(vllm=info["vllm"], torch=torch.__version__, model_path=str(eng.spec.path), device=info["device"],
                  compilation=info["compilation"], vllm_cache_root=os.environ.get("VLLM_CACHE_ROOT"))
     g.meta.update({**meta, **found})

@@ -28,7 +28,7 @@ import torch
 from .. import bf16_matmul, graphs, machine, mismatch, sides
 from ..align import REGIONS
 from ..align.schedule import schedule_to_align_kwargs
-from ..engine import bf16_linear
+from ..engine_probes import bf16_linear
 from ..engine_align import attention_section, kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
