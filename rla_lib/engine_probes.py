@@ -1,5 +1,5 @@
 """What vLLM's kernels do on this machine, probed for the graph reader and the studies: which BF16 linear it runs
-(`bf16_linear`), how its rotary kernel rounds (`probe_rotary_kernel`), and how an engine was compiled
+(`vllm_linear`), how its rotary kernel rounds (`probe_rotary_kernel`), and how an engine was compiled
 (`compilation_info`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from .engine_process import import_vllm
 
 
-def bf16_linear(weight):
+def vllm_linear(weight):
     """(name, fn): the BF16 linear vLLM-CPU runs for `weight` on this CPU, as its dispatch picks it
     (model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`): with AMX tiles, its packed-weight kernel for
     small weights; else oneDNN's `onednn_mm` if it accepts the BF16 matmul, else torch's linear."""

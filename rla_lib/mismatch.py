@@ -17,349 +17,39 @@ One shared measurement: `measure` caches in layers, so notebooks asking for the 
 mode, training configuration) get the same arrays. The sampled responses are keyed by the model, the
 scoring code, the sampling mode (the first of `modes`) and the sizes; each engine mode's scores and
 each training side are then separate files in that folder, keyed by what they depend on (a training
-side by its regions and options, not its name). A later call scores only what is missing.
+side by its regions and options, not its name). A later call scores only what is missing. The result is a
+`mismatch_run.MismatchRun`; the cache's keys and layers are `mismatch_cache`'s, configuration names `sides`'.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from itertools import combinations
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from . import kl, sides, task
-from .align import ALL_REGIONS, REGIONS, AlignOptions, align
+from .align import REGIONS, align
 from .engine import Engine, default_context
 from .exact_kl import exact_kl
-from .machine import bf16_matmul_mode, machine, machine_key
+from .machine import machine
+from .mismatch_cache import (cache_folder, copy_side, load_or_sample, load_or_score_exact, load_or_score_side,
+                             load_side, sample_key, side_file)
+from .mismatch_run import MismatchRun
 from .models import load_model, load_tokenizer, resolve_model
-from .paths import RESULTS_DIR, atomic_write
+from .paths import RESULTS_DIR
 from .progress import bar
 from .prompts import check_room, prompt_ids
-from .scoring import response_tokens, token_logprobs
+from .sides import all_configs, canonical_config, config_name
+from .scoring import token_logprobs
 
 # Default sizes for a trustworthy headline: many distinct prompts (the whole held-out split, the
 # independent unit of the error bars) and two responses each, rather than many samples of few prompts.
 STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
-# Which regions each rla_lib.align option acts on (an option is inert without its regions): two
-# configurations that differ only in inert options score identically, so they share a name and a cache file.
-OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "rope_rounding": ("rope",), "norm_weight": ("residual_norm",),
-                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",),
-                  "rms_sum": ("rope", "residual_norm")}
 
 
-def exact_key(inference: str, training: str) -> str:
-    """The key of a pair's exact-KL terms in `MismatchRun.exact`."""
-    return f"{inference}|{training}"
-
-
-def fingerprint(model_dir: Path) -> str:
-    """Changes when the checkpoint or the code that scores it changes (keys the results cache)."""
-    h = hashlib.sha1()
-    for f in sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(core_digest().encode())
-    return h.hexdigest()[:12]
-
-
-PACKAGE = Path(__file__).parent
-
-
-def core_digest() -> str:
-    """A digest of every core source file (`core_sources`): part of the key of every cache of engine or training-side
-    values, so a change to the code that computes them is never answered from the cache."""
-    h = hashlib.sha1()
-    for source in core_sources():
-        h.update(f"{source.relative_to(PACKAGE)}:".encode() + source.read_bytes())
-    return h.hexdigest()
-
-
-def core_sources() -> list[Path]:
-    """Every source file of the core (Python, the C kernels and their header, the child processes' start-up code): any of them can
-    change a score. The studies (`rla_lib.studies`) only read scores."""
-    return sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".h")
-                  and not {"studies", "__pycache__"} & set(p.relative_to(PACKAGE).parts))
-
-
-def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:
-    """(regions in `ALL_REGIONS` order, only the options that differ from their default and act on those regions)."""
-    regions = tuple(regions)
-    unknown = sorted(set(regions) - set(ALL_REGIONS)) + sorted(set(options or {}) - set(OPTION_REGIONS))
-    if unknown:
-        raise ValueError(f"unknown region(s) or option(s) {unknown}")
-    defaults = AlignOptions()
-    kept = {k: v for k, v in sorted((options or {}).items())
-            if v != getattr(defaults, k) and set(OPTION_REGIONS[k]) & set(regions)}
-    return tuple(r for r in ALL_REGIONS if r in regions), kept
-
-
-def config_name(regions, **options) -> str:
-    """A training configuration's name: regions joined by '+' ('none' for stock), then '|option=value' for
-    each non-default option that acts on those regions (`config_name(("rope",), rope_cos_sin="bf16")`)."""
-    name = "+".join(regions) if regions else "none"
-    _, kept = canonical_config(regions, options) if options else ((), {})
-    return name + "".join(f"|{k}={v}" for k, v in kept.items())
-
-
-def all_configs(regions) -> list[tuple[str, ...]]:
-    """Every subset of the regions, smallest first: the rows of the paper's Table 1."""
-    return [c for r in range(len(regions) + 1) for c in combinations(regions, r)]
-
-
-def paper_configs() -> dict[str, tuple[tuple[str, ...], dict]]:
-    """The paper's Table 1 rows (every subset of the regions), RoPE in both cos/sin readings:
-    FP32 (this project's reading of the paper) and BF16 (vLLM's cos/sin cache)."""
-    configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
-    return configs | {config_name(c, rope_cos_sin="bf16"): (c, {"rope_cos_sin": "bf16"}) for c in all_configs(REGIONS) if "rope" in c}
-
-
-@dataclass
-class MismatchRun:
-    """Per-side scores of the same response tokens, stored flat with per-sequence offsets."""
-
-    sequences: list[list[int]]
-    starts: list[int]  # index into a sequence's per-position scores where its response begins
-    rewards: np.ndarray
-    prompts: np.ndarray  # index (into the held-out split) of the prompt each sequence answers: the cluster
-    token_lp: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens,)
-    full: dict[str, np.ndarray] = field(default_factory=dict)  # side -> (n_tokens, vocab)
-    exact: dict[str, np.ndarray] = field(default_factory=dict)  # exact_key(inference, training) -> (n_tokens,) FP64
-    meta: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.prompts = np.asarray(self.prompts, dtype=np.int64)
-        if len(self.prompts) != len(self.sequences):
-            raise ValueError(f"one prompt index per sequence: {len(self.prompts)} for {len(self.sequences)} sequences")
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.array([len(s) - 1 - st for s, st in zip(self.sequences, self.starts)])
-
-    @property
-    def offsets(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.lengths)])
-
-    @property
-    def sides(self) -> list[str]:
-        return list(self.token_lp)
-
-    @property
-    def estimators(self) -> tuple[str, ...]:
-        """The KL estimators this run supports: exact needs full distributions (small vocabulary) or its terms."""
-        return ("sampled", "k3", "exact") if self.full or self.exact else ("sampled", "k3")
-
-    def estimators_for(self, inference: str, training: str) -> tuple[str, ...]:
-        """The estimators one pair supports: at a large vocabulary the exact KL exists for the (engine, training
-        side) pairs `measure` computed it for, not e.g. between two engine modes."""
-        full = (inference in self.full and training in self.full) or exact_key(inference, training) in self.exact
-        return ("sampled", "k3", "exact") if full else ("sampled", "k3")
-
-    def add(self, side: str, per_sequence_lp, per_sequence_full=None) -> None:
-        """Keep the response part of per-position scores (entry t scores token t+1)."""
-        self.token_lp[side] = response_tokens(per_sequence_lp, self.starts).astype(np.float32)
-        if per_sequence_full is not None:
-            self.full[side] = response_tokens(per_sequence_full, self.starts).astype(np.float32)
-
-    def subset(self, keep) -> MismatchRun:
-        """The run of the sequences where `keep` (one bool per sequence) is true, every side's scores with them."""
-        keep = np.asarray(keep, dtype=bool)
-        o = self.offsets
-        tokens = np.concatenate([np.arange(a, b) for a, b, k in zip(o[:-1], o[1:], keep) if k] or [np.arange(0)])
-        return MismatchRun([s for s, k in zip(self.sequences, keep) if k], [st for st, k in zip(self.starts, keep) if k],
-                           self.rewards[keep], self.prompts[keep], {s: v[tokens] for s, v in self.token_lp.items()},
-                           {s: v[tokens] for s, v in self.full.items()}, {s: v[tokens] for s, v in self.exact.items()},
-                           dict(self.meta))
-
-    def split_prompts(self, share: float = 0.5, seed: int = 0) -> tuple[MismatchRun, MismatchRun]:
-        """(probe, held-out): the prompts shuffled (seeded) and cut at `share`, each with all of its responses. A
-        choice made on the probe run (e.g. the attention numerics closest to the engine) is then reported on prompts
-        it was not made on."""
-        prompts = np.unique(self.prompts)
-        if len(prompts) < 2:
-            raise ValueError(f"a split needs two prompts or more; this run has {len(prompts)}")
-        shuffled = np.random.default_rng(seed).permutation(prompts)
-        cut = min(max(1, round(share * len(prompts))), len(prompts) - 1)
-        probe = np.isin(self.prompts, shuffled[:cut])
-        return self.subset(probe), self.subset(~probe)
-
-    def pairs(self, inference: str, training: str) -> list[dict]:
-        """Per-sequence inputs for `rla_lib.kl` estimators."""
-        for side in (inference, training):
-            if side not in self.token_lp:
-                raise KeyError(f"side {side!r} was not measured; have {self.sides}")
-        o = self.offsets
-        has_full = inference in self.full and training in self.full
-        exact = self.exact.get(exact_key(inference, training))
-        return [
-            dict(inf_lp=self.token_lp[inference][a:b], train_lp=self.token_lp[training][a:b],
-                 inf_full=self.full[inference][a:b] if has_full else None,
-                 train_full=self.full[training][a:b] if has_full else None,
-                 exact=None if exact is None else exact[a:b])
-            for a, b in zip(o[:-1], o[1:])
-        ]
-
-    def per_sequence_sums(self, inference: str, training: str, estimator: str):
-        """(sums, counts) of an estimator's per-token terms per sequence: what bootstraps resample
-        (together with `prompts`, the cluster of each sequence)."""
-        t = [kl.terms(estimator, p) for p in self.pairs(inference, training)]
-        return np.array([x.sum() for x in t]), np.array([len(x) for x in t])
-
-    def estimate(self, inference: str, training: str, estimator: str, n_boot: int = 2000, seed: int = 0) -> kl.Estimate:
-        """One estimator's mismatch between two sides, with prompt-level error bars."""
-        return kl.estimate([kl.terms(estimator, p) for p in self.pairs(inference, training)], clusters=self.prompts,
-                           n_boot=n_boot, seed=seed)
-
-    def difference(self, inference: str, a: str, b: str, estimator: str = "exact", n_boot: int = 2000,
-                   seed: int = 0) -> kl.Difference:
-        """The paired change in mismatch against `inference` from training side a to side b
-        (e.g. a="hf:bf16:none", b="hf:bf16:rope+swiglu+residual_norm"), prompts resampled together."""
-        a_sums, counts = self.per_sequence_sums(inference, a, estimator)
-        b_sums, _ = self.per_sequence_sums(inference, b, estimator)
-        return kl.paired_difference(a_sums, b_sums, counts, clusters=self.prompts, n_boot=n_boot, seed=seed)
-
-    def bitwise_share(self, inference: str, training: str, n_boot: int = 2000, seed: int = 0) -> kl.Estimate:
-        """The share of response tokens whose logprob on `training` is bit for bit the engine's, with a
-        prompt-level CI (unit 1: a fraction)."""
-        o, eq = self.offsets, (self.token_lp[inference] == self.token_lp[training]).astype(np.float64)
-        return kl.estimate([eq[a:b] for a, b in zip(o[:-1], o[1:])], clusters=self.prompts, n_boot=n_boot, seed=seed, unit=1.0)
-
-    def tokens_digest(self) -> str:
-        """Identifies the sampled tokens: a cached side is only valid for the tokens it scored."""
-        h = hashlib.sha1(np.concatenate([np.asarray(s, np.int64) for s in self.sequences]).tobytes())
-        h.update(np.array([len(s) for s in self.sequences] + list(self.starts), np.int64).tobytes())
-        return h.hexdigest()[:16]
-
-    # ---- persistence (atomic) ------------------------------------------------------------
-    def save(self, path: Path) -> Path:
-        arrays = ({f"lp::{k}": v for k, v in self.token_lp.items()} | {f"full::{k}": v for k, v in self.full.items()}
-                  | {f"exact::{k}": v for k, v in self.exact.items()})
-        lengths = np.array([len(s) for s in self.sequences])
-        return atomic_write(path, lambda tmp: np.savez_compressed(
-            tmp, ids=np.concatenate(self.sequences), seq_lengths=lengths, starts=np.array(self.starts),
-            rewards=self.rewards, prompts=self.prompts, meta=np.array(json.dumps(self.meta)), **arrays))
-
-    @classmethod
-    def load(cls, path: Path) -> "MismatchRun":
-        with np.load(path) as z:
-            if "prompts" not in z.files:
-                raise ValueError(f"{path} was saved without the prompt of each sequence (an older rla_lib), so its error "
-                                 "bars cannot resample prompts: delete this cache file and rerun the measurement.")
-            bounds = np.concatenate([[0], np.cumsum(z["seq_lengths"])])
-            seqs = [z["ids"][a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
-            run = cls(seqs, z["starts"].tolist(), z["rewards"], z["prompts"], meta=json.loads(str(z["meta"])))
-            for key in z.files:
-                if key.startswith("lp::"):
-                    run.token_lp[key[4:]] = z[key]
-                elif key.startswith("full::"):
-                    run.full[key[6:]] = z[key]
-                elif key.startswith("exact::"):
-                    run.exact[key[7:]] = z[key]
-        return run
-
-
-# ---- the two cache layers: sampled responses, then one file per scored side --------------------
-def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
-               temperature: float, seed: int, prompts: list[list[int]] | None = None) -> dict:
-    """What the sampled responses depend on (the folder of every side scored on them): the engine's machine, not the
-    training side's matmul mode (which keys each training side's file instead, `side_file`); the prompts' tokens
-    where they are the caller's rather than the task's held-out split."""
-    key = dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(engine_only=True),
-               sampled_by=sampled_by, n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens,
-               temperature=temperature, seed=seed)
-    if prompts is not None:
-        key["prompts"] = hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:16]
-    return key
-
-
-def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
-    if cache_dir is None:
-        return None
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cache_dir) / f"{Path(key['model']).name}-{digest}"
-
-
-def side_file(folder: Path | None, dtype: str, regions=(), options=None) -> Path | None:
-    """The cache file of a training side: named by what it computes (dtype, canonical regions and options, and how
-    BF16 linear layers multiply: `machine.bf16_matmul_mode`)."""
-    if folder is None:
-        return None
-    regions, options = canonical_config(regions, options)
-    matmul = bf16_matmul_mode() if dtype == "bfloat16" else None
-    digest = hashlib.sha1(json.dumps([dtype, regions, options] + ([matmul] if matmul != "native" else []),
-                                     sort_keys=True).encode()).hexdigest()[:10]
-    return folder / f"hf-{dtype}-{config_name(regions)}-{digest}.npz"
-
-
-def load_side(run: MismatchRun, side: str, path: Path | None) -> bool:
-    """Put a cached side into `run` if `path` holds scores of exactly these tokens; False otherwise."""
-    if path is None or not path.exists():
-        return False
-    with np.load(path) as z:
-        if str(z["tokens"]) != run.tokens_digest() or len(z["lp"]) != run.lengths.sum():
-            return False  # scored on other tokens (samples regenerated): score again
-        run.token_lp[side] = z["lp"]
-        if "full" in z.files:
-            run.full[side] = z["full"]
-    return True
-
-
-def save_side(run: MismatchRun, side: str, path: Path | None) -> None:
-    if path is None:
-        return
-    arrays = dict(lp=run.token_lp[side]) | ({"full": run.full[side]} if side in run.full else {})
-    atomic_write(path, lambda tmp: np.savez_compressed(tmp, tokens=np.array(run.tokens_digest()), **arrays))
-
-
-def load_or_score_side(run: MismatchRun, side: str, path: Path | None, score) -> bool:
-    """Load `side` from `path`, or call `score(run, side)` (which adds it to run) and save it there.
-    Returns True when it was loaded from the cache."""
-    if load_side(run, side, path):
-        return True
-    score(run, side)
-    if side not in run.token_lp:
-        raise RuntimeError(f"the scorer did not add side {side!r}")
-    save_side(run, side, path)
-    return False
-
-
-def load_or_score_exact(run: MismatchRun, inference: str, side: str, path: Path | None, score) -> None:
-    """The exact-KL terms of (inference, side) from `path` if they were computed on these tokens, else
-    `score()` (per-token terms), saved there."""
-    key = exact_key(inference, side)
-    if path is not None and path.exists():
-        with np.load(path) as z:
-            if str(z["tokens"]) == run.tokens_digest() and len(z["exact"]) == run.lengths.sum():
-                run.exact[key] = z["exact"]
-                return
-    run.exact[key] = score()
-    if path is not None:
-        atomic_write(path, lambda tmp: np.savez_compressed(tmp, tokens=np.array(run.tokens_digest()), exact=run.exact[key]))
-
-
-def load_or_sample(folder: Path | None, sample) -> MismatchRun:
-    """The sampled responses (no sides) from `folder`, or `sample()` saved there."""
-    path = None if folder is None else folder / "samples.npz"
-    if path is not None and path.exists():
-        return MismatchRun.load(path)
-    run = sample()
-    if path is not None:
-        MismatchRun(run.sequences, run.starts, run.rewards, run.prompts, meta=run.meta).save(path)
-    return run
-
-
-def copy_side(run: MismatchRun, source: str, side: str) -> None:
-    """Another name for the same computation (same regions and options): the same arrays."""
-    run.token_lp[side] = run.token_lp[source]
-    if source in run.full:
-        run.full[side] = run.full[source]
-    for key in [k for k in run.exact if k.endswith("|" + source)]:
-        run.exact[key.removesuffix(source) + side] = run.exact[key]
 
 
 # ---- measuring ----------------------------------------------------------------------------------

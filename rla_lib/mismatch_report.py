@@ -16,10 +16,11 @@ from .align import REGIONS
 from .engine_align import engine_schedule_for
 from .align.schedule import schedule_to_align_kwargs
 from .kl import FEW_PROMPTS, all_equal_bound
-from .mismatch import MismatchRun, config_name
+from .mismatch_run import MismatchRun
+from .sides import config_name
 from .report import pct_ci
 
-# label -> training configuration name (`mismatch.config_name`), the engine-aligned one per mode
+# label -> training configuration name (`sides.config_name`), the engine-aligned one per mode
 SIDES = {"stock BF16": "none", "RoPE only": "rope", "SwiGLU only": "swiglu", "residual RMSNorm only": "residual_norm",
          "the paper's three regions": config_name(REGIONS)}
 ENGINE_ALIGNED = "engine-aligned"

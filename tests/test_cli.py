@@ -10,7 +10,7 @@ from rla_lib import cli, mismatch_report
 from rla_lib.engine_align import align_to_engine, exactness, kernel_numerics
 from rla_lib.machine import describe, machine, vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer
-from rla_lib.mismatch import MismatchRun
+from rla_lib.mismatch_run import MismatchRun
 from test_engine_align import MEASURED_EXACT
 from test_prompts import with_chat_template
 

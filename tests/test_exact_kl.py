@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rla_lib import kl, mismatch, sides, task
+from rla_lib import kl, mismatch, mismatch_run, sides, task
 from rla_lib.align import REGIONS
 from rla_lib.engine import Engine
 from rla_lib.engine_worker import pack_tensor, unpack_tensor
@@ -102,7 +102,7 @@ def test_mismatch_runs_carry_the_exact_kl_at_full_vocab(narrow_model, eager_engi
     assert started == ["eager"]  # one engine for the mode: it samples, scores and gives the exact KL
     assert run.estimators == ("sampled", "k3", "exact") and not run.full  # no distribution kept, the terms are
     for name in configs:
-        terms = run.exact[mismatch.exact_key(sides.engine("eager"), sides.training(name))]
+        terms = run.exact[mismatch_run.exact_key(sides.engine("eager"), sides.training(name))]
         # a KL per position is >= 0; FP32 logprobs (each ~1e-6 off at |logp| ~ 20) allow about -1e-6, 10x margin
         assert len(terms) == run.lengths.sum() and (terms > -1e-5).all() and terms.mean() > 0
         assert np.isfinite(run.estimate(sides.engine("eager"), sides.training(name), "exact").value)

@@ -262,13 +262,13 @@ def test_engines_side_by_side_get_cores_of_their_own_unless_a_binding_is_set(mon
 ENGINE_LINEAR_CHECK = """
 import json, torch
 from rla_lib import machine
-from rla_lib.engine_probes import bf16_linear
+from rla_lib.engine_probes import vllm_linear
 g = torch.Generator().manual_seed(0)
 out = {}
 # the embedded models' layers and the 0.6B shape's, at a scoring batch's row counts (see the docstring)
 for m, k, n in [(512, 256, 768), (512, 768, 256), (600, 1024, 3072), (600, 3072, 1024)]:
     x, w, b = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) / 16).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    name, engine = bf16_linear(w)
+    name, engine = vllm_linear(w)
     ours = bf16_matmul.LinearFP32Accumulate.apply(x, w, None)
     fp32_library = bf16_matmul.rows_times(x.float(), w.float().T, None).bfloat16()
     out[f"{m}x{k}x{n}"] = dict(kernel=name, differing=int((ours != engine(x)).sum()), library_differing=int((fp32_library != engine(x)).sum()))

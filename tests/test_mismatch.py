@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rla_lib import graphs, kl, mismatch, task
+from rla_lib import graphs, kl, mismatch, mismatch_cache, mismatch_run, sides, task
 from rla_lib.engine import Sample
 from rla_lib.models import resolve_model
 
@@ -12,7 +12,7 @@ from rla_lib.models import resolve_model
 def _run(rng, prompts=(0, 0, 1)):
     seqs = [list(rng.integers(0, 16, n)) for n in (6, 9, 4)]
     starts = [2, 3, 1]
-    run = mismatch.MismatchRun([list(map(int, s)) for s in seqs], starts, np.array([1.0, 0.0, 1.0]), np.array(prompts))
+    run = mismatch_run.MismatchRun([list(map(int, s)) for s in seqs], starts, np.array([1.0, 0.0, 1.0]), np.array(prompts))
     for side in ("vllm:compiled", "hf:bf16:none", "hf:bf16:rope"):
         full = [np.log(rng.dirichlet(np.ones(16), len(s) - 1)) for s in seqs]
         run.add(side, [f[np.arange(len(s) - 1), s[1:]] for f, s in zip(full, seqs)], full)
@@ -29,13 +29,13 @@ def test_add_keeps_response_tokens_and_pairs_line_up(tmp_path):
     with pytest.raises(KeyError, match="was not measured"):
         run.pairs("vllm:eager", "hf:bf16:none")
     with pytest.raises(ValueError, match="one prompt index per sequence"):
-        mismatch.MismatchRun(run.sequences, run.starts, run.rewards, np.array([0, 1]))
+        mismatch_run.MismatchRun(run.sequences, run.starts, run.rewards, np.array([0, 1]))
 
 
 def test_save_load_roundtrip(tmp_path):
     run = _run(np.random.default_rng(1))
     run.meta = {"model": "x"}
-    loaded = mismatch.MismatchRun.load(run.save(tmp_path / "r.npz"))
+    loaded = mismatch_run.MismatchRun.load(run.save(tmp_path / "r.npz"))
     assert loaded.sequences == run.sequences and loaded.starts == run.starts and loaded.meta == {"model": "x"}
     np.testing.assert_array_equal(loaded.prompts, run.prompts)
     assert loaded.prompts.dtype == np.int64
@@ -52,7 +52,7 @@ def test_a_file_without_prompts_is_refused(tmp_path):
     del z["prompts"]
     np.savez_compressed(path, **z)
     with pytest.raises(ValueError, match="delete this cache file"):
-        mismatch.MismatchRun.load(path)
+        mismatch_run.MismatchRun.load(path)
 
 
 def test_estimate_difference_and_table_resample_prompts():
@@ -73,20 +73,20 @@ def test_estimate_difference_and_table_resample_prompts():
 
 
 def test_configs_are_the_eight_subsets():
-    cfgs = mismatch.all_configs(("rope", "swiglu", "residual_norm"))
+    cfgs = sides.all_configs(("rope", "swiglu", "residual_norm"))
     assert len(cfgs) == 8 and cfgs[0] == () and cfgs[-1] == ("rope", "swiglu", "residual_norm")
-    assert mismatch.config_name(()) == "none" and mismatch.config_name(("rope", "swiglu")) == "rope+swiglu"
+    assert sides.config_name(()) == "none" and sides.config_name(("rope", "swiglu")) == "rope+swiglu"
 
 
 def test_config_names_carry_only_options_that_act():
-    assert mismatch.config_name(("rope",), rope_cos_sin="bf16") == "rope|rope_cos_sin=bf16"
-    assert mismatch.config_name(("swiglu",), rope_cos_sin="bf16") == "swiglu"  # no RoPE: the option is inert
-    assert mismatch.config_name(("rope",), rope_cos_sin="fp32") == "rope"  # the default
-    paper = mismatch.paper_configs()
+    assert sides.config_name(("rope",), rope_cos_sin="bf16") == "rope|rope_cos_sin=bf16"
+    assert sides.config_name(("swiglu",), rope_cos_sin="bf16") == "swiglu"  # no RoPE: the option is inert
+    assert sides.config_name(("rope",), rope_cos_sin="fp32") == "rope"  # the default
+    paper = sides.paper_configs()
     assert len(paper) == 12 and paper["rope+swiglu+residual_norm|rope_cos_sin=bf16"][1] == {"rope_cos_sin": "bf16"}
     from rla_lib.align import AlignOptions
 
-    assert set(mismatch.OPTION_REGIONS) == set(AlignOptions.CHOICES)  # every option's regions are known
+    assert set(sides.OPTION_REGIONS) == set(AlignOptions.CHOICES)  # every option's regions are known
 
 
 def test_standard_sizes_are_the_measure_defaults():
@@ -104,12 +104,12 @@ def test_temperature_is_passed_to_the_scorers_only_when_not_one():
 
 # ---- the two cache layers -----------------------------------------------------------------------
 def test_side_files_are_named_by_what_they_compute(tmp_path):
-    f = lambda *a: mismatch.side_file(tmp_path, *a)
+    f = lambda *a: mismatch_cache.side_file(tmp_path, *a)
     assert f("bfloat16", ("swiglu", "rope"), {}) == f("bfloat16", ("rope", "swiglu"), {"rope_cos_sin": "fp32"})
     assert f("bfloat16", ("swiglu",), {"rope_cos_sin": "bf16"}) == f("bfloat16", ("swiglu",), {})
     assert f("bfloat16", ("rope",), {"rope_cos_sin": "bf16"}) != f("bfloat16", ("rope",), {})
     assert f("bfloat16", (), {}) != f("float32", (), {})
-    assert mismatch.side_file(None, "bfloat16", (), {}) is None
+    assert mismatch_cache.side_file(None, "bfloat16", (), {}) is None
 
 
 def test_the_training_matmul_mode_keys_training_sides_not_the_engines_samples(tmp_path, monkeypatch):
@@ -119,9 +119,9 @@ def test_the_training_matmul_mode_keys_training_sides_not_the_engines_samples(tm
     found = {}
     for mode in ("native", "fp32"):
         monkeypatch.setenv("RLA_BF16_MATMUL", mode)
-        found[mode] = dict(samples=mismatch.sample_key(model_dir, "vllm:compiled", 4, 2, 8, 1.0, 0),
-                           bf16=mismatch.side_file(tmp_path, "bfloat16", ("rope",), {}),
-                           fp32=mismatch.side_file(tmp_path, "float32", (), {}),
+        found[mode] = dict(samples=mismatch_cache.sample_key(model_dir, "vllm:compiled", 4, 2, 8, 1.0, 0),
+                           bf16=mismatch_cache.side_file(tmp_path, "bfloat16", ("rope",), {}),
+                           fp32=mismatch_cache.side_file(tmp_path, "float32", (), {}),
                            vllm=graphs.capture_dir("qwen3-tiny", "vllm", "compiled"), hf=graphs.capture_dir("qwen3-tiny", "hf", "compiled"))
     native, fp32 = found["native"], found["fp32"]
     assert native["samples"] == fp32["samples"] and native["vllm"] == fp32["vllm"] and native["fp32"] == fp32["fp32"]
@@ -138,23 +138,23 @@ def test_load_or_score_side_scores_once_and_checks_the_tokens(tmp_path):
         run.full[side] = run.full["hf:bf16:rope"]
 
     path = tmp_path / "side.npz"
-    assert not mismatch.load_or_score_side(run, "x", path, score)
+    assert not mismatch_cache.load_or_score_side(run, "x", path, score)
     first = run.token_lp.pop("x").copy()
     run.full.pop("x")
-    assert mismatch.load_or_score_side(run, "x", path, score) and calls == ["x"]
+    assert mismatch_cache.load_or_score_side(run, "x", path, score) and calls == ["x"]
     np.testing.assert_array_equal(run.token_lp["x"], first)
     np.testing.assert_array_equal(run.full["x"], run.full["hf:bf16:rope"])
     other = _run(np.random.default_rng(4))  # other tokens: the cached side does not apply
-    assert not mismatch.load_or_score_side(other, "x", path, score) and calls == ["x", "x"]
-    assert not mismatch.load_or_score_side(run, "y", None, score) and len(calls) == 3  # no cache: always scores
+    assert not mismatch_cache.load_or_score_side(other, "x", path, score) and calls == ["x", "x"]
+    assert not mismatch_cache.load_or_score_side(run, "y", None, score) and len(calls) == 3  # no cache: always scores
 
 
 def test_load_or_sample(tmp_path):
     run = _run(np.random.default_rng(5))
     drawn = []
     sample = lambda: drawn.append(1) or run
-    assert mismatch.load_or_sample(tmp_path, sample) is run
-    again = mismatch.load_or_sample(tmp_path, sample)
+    assert mismatch_cache.load_or_sample(tmp_path, sample) is run
+    again = mismatch_cache.load_or_sample(tmp_path, sample)
     assert len(drawn) == 1 and again.sequences == run.sequences and not again.sides  # samples only, no scores
     np.testing.assert_array_equal(again.prompts, run.prompts)
 
@@ -250,7 +250,7 @@ def test_measure_at_a_temperature_scores_both_sides_at_it(tmp_path, monkeypatch)
 def test_the_results_cache_key_covers_every_core_source_and_no_study(tmp_path, monkeypatch):
     """The key follows the package's files, not a hand list: the C kernels, the child processes' start-up code and
     every core module can change a score (a study cannot); editing one changes the key."""
-    names = {str(p.relative_to(mismatch.PACKAGE)) for p in mismatch.core_sources()}
+    names = {str(p.relative_to(mismatch_cache.PACKAGE)) for p in mismatch_cache.core_sources()}
     assert {"native_kernels.c", "native.py", "align/vector_sums.py", "engine_process.py", "logit_noise.py", "align/versions.py",
             "child_site/sitecustomize.py", "graphs/reader.py", "align/patch.py", "align/kernels.c", "align/vector.h",
             "scoring.py"} <= names
@@ -258,18 +258,18 @@ def test_the_results_cache_key_covers_every_core_source_and_no_study(tmp_path, m
     package = tmp_path / "rla_lib"
     for name in names:
         (package / name).parent.mkdir(parents=True, exist_ok=True)
-        (package / name).write_bytes((mismatch.PACKAGE / name).read_bytes())
-    monkeypatch.setattr(mismatch, "PACKAGE", package)
+        (package / name).write_bytes((mismatch_cache.PACKAGE / name).read_bytes())
+    monkeypatch.setattr(mismatch_cache, "PACKAGE", package)
     model = mismatch.resolve_model("qwen3-tiny").path
-    before = mismatch.fingerprint(model)
+    before = mismatch_cache.fingerprint(model)
     (package / "native_kernels.c").write_text((package / "native_kernels.c").read_text() + "\n/* changed */\n")
-    assert mismatch.fingerprint(model) != before
+    assert mismatch_cache.fingerprint(model) != before
 
 
 def test_split_prompts_keeps_each_prompts_responses_together_and_their_scores():
     rng = np.random.default_rng(3)
     seqs = [list(map(int, rng.integers(0, 16, n))) for n in (6, 9, 4, 7, 5, 8)]
-    run = mismatch.MismatchRun(seqs, [2, 3, 1, 2, 1, 3], np.arange(6.0), np.array([0, 0, 1, 1, 2, 2]))
+    run = mismatch_run.MismatchRun(seqs, [2, 3, 1, 2, 1, 3], np.arange(6.0), np.array([0, 0, 1, 1, 2, 2]))
     for side in ("vllm:compiled", "hf:bf16:none"):
         run.add(side, [rng.normal(size=len(s) - 1) for s in seqs])
     probe, held_out = run.split_prompts(seed=1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rla_lib.align import REGIONS
 from rla_lib.kl import FEW_PROMPTS
-from rla_lib.mismatch import config_name
+from rla_lib.sides import config_name
 from rla_lib.paper import GAP_REDUCTION, ROPE_SHAPLEY_SHARE, percent_range
 from rla_lib.models import EMBEDDED_MODELS
 from rla_lib.paths import MODELS_DIR, ROOT, atomic_write

@@ -40,7 +40,7 @@ from ..align.schedule import load_schedule, schedule_to_align_kwargs
 from ..engine import Engine
 from ..bf16_matmul import has_fp32_matmul, use_bf16_matmul
 from ..machine import machine_key
-from ..mismatch import core_digest
+from ..mismatch_cache import core_digest
 from ..models import resolve_model
 from ..paths import PACKAGE_DIR, RESULTS_DIR, atomic_write
 from ..scoring import head_logprobs, pad_batch

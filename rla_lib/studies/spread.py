@@ -28,14 +28,14 @@ import torch
 from .. import bf16_matmul, graphs, machine, mismatch, sides
 from ..align import REGIONS
 from ..align.schedule import schedule_to_align_kwargs
-from ..engine_probes import bf16_linear
+from ..engine_probes import vllm_linear
 from ..engine_align import attention_section, kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
 from ..settings import setting
 
 MODES = ("compiled", "eager")
-PAPER = mismatch.config_name(REGIONS)
+PAPER = sides.config_name(REGIONS)
 SIDES = {"stock": sides.STOCK, "paper": sides.training(PAPER), "schedule": sides.training("schedule_{mode}")}
 ENGINE_ALIGNED = sides.training("engine_{mode}")  # the schedule + this level's attention kernel and rotary rounding
 SPREAD_DIR = RESULTS_DIR / "spread"
@@ -103,7 +103,7 @@ def kernel_probe() -> dict:
     library = ("_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512") if torch.cpu._is_avx512_supported() else "_C_AVX2"
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(512, 256, generator=g).bfloat16(), (torch.randn(768, 256, generator=g) / 16).bfloat16()
-    engine_linear, engine_fn = bf16_linear(w)
+    engine_linear, engine_fn = vllm_linear(w)
     engine_out = engine_fn(x)
     layer = torch.nn.Linear(256, 768, bias=False, dtype=torch.bfloat16)
     layer.weight.data.copy_(w)
