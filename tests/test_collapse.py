@@ -101,22 +101,35 @@ def test_the_verdict_follows_the_counts_and_fishers_test():
                                           for arm, (k, n) in collapses.items()]
         return t
 
-    assert c.verdict(rates(**{"default BF16": (5, 5), "all three": (0, 5)}), "s").startswith("reproduces the paper")
-    assert c.verdict(rates(**{"default BF16": (3, 3), "all three": (3, 3), "FP32 control": (3, 3)}), "s") == (
-        "step size, not mismatch: FP32 control collapses 3/3, default BF16 3/3; aligned, none fewer beyond chance: all three 3/3")
+    # a cause is named only from a planned comparison; the same counts unplanned say what they show, post hoc
+    assert c.verdict(rates(**{"default BF16": (5, 5), "all three": (0, 5)}), "s", planned=True).startswith(
+        "reproduces the paper")
+    assert c.verdict(rates(**{"default BF16": (5, 5), "all three": (0, 5)}), "s") == (
+        "all three collapse less often than default BF16 (Fisher p < 0.05, post hoc)")
+    # no difference found is never a cause: 1/1 against 1/1 (and 3/3 against 3/3) cannot tell, with the power said
+    one = c.verdict(rates(**{"default BF16": (1, 1), "FP32 control": (1, 1)}), "s", planned=True)
+    assert one == ("cannot tell with 1 seed: default BF16 1/1, FP32 control 1/1, no arm fewer beyond chance; power 0% "
+                   "to see collapse rates 0.6 against 0 with 1 seed per arm")
+    assert c.verdict(rates(**{"default BF16": (3, 3), "all three": (3, 3), "FP32 control": (3, 3)}), "s").startswith(
+        "cannot tell with 3 seeds: default BF16 3/3, all three 3/3, FP32 control 3/3")
     assert c.verdict(rates(**{"default BF16": (2, 5), "FP32 control": (4, 5)}), "s") == (
-        "step size, not mismatch: FP32 control collapses 4/5, default BF16 2/5")  # no aligned arm: nothing more to say
+        "cannot tell with 5 seeds: default BF16 2/5, FP32 control 4/5, no arm fewer beyond chance; power "
+        f"{c.fisher_power(0.6, 0.0, 5):.0%} to see collapse rates 0.6 against 0 with 5 seeds per arm")
+    for verdict in (one, c.verdict(rates(**{"default BF16": (2, 5), "FP32 control": (4, 5)}), "s", planned=True)):
+        assert not any(word in verdict for word in ("step size", "not the mismatch", "reproduces", "opposite"))
     assert c.verdict(rates(**{"default BF16": (2, 3), "all three": (0, 3), "FP32 control": (0, 3)}), "s").startswith(
         "cannot tell with 3 seeds")  # 2/3 vs 0/3: p = 0.2
     assert c.verdict(rates(**{"default BF16": (0, 3), "all three": (0, 3)}), "s").startswith("default BF16 did not")
     assert c.verdict(rates(**{"default BF16": (0, 3), "FP32 control": (1, 3)}), "s") == (
         "default BF16 did not collapse (0 of 3 seeds); FP32 control 1/3")  # 0/3 vs 1/3: chance
-    assert c.verdict(rates(**{"default BF16": (0, 5), "FP32 control": (5, 5)}), "s") == (  # p = 1 / C(10, 5)
+    assert c.verdict(rates(**{"default BF16": (0, 5), "FP32 control": (5, 5)}), "s", planned=True) == (  # p = 1 / C(10, 5)
         "not the mismatch: FP32 control 5/5 collapses more often than default BF16 0/5 (Fisher p = 0.004)")
+    assert c.verdict(rates(**{"default BF16": (0, 5), "FP32 control": (5, 5)}), "s") == (
+        "FP32 control 5/5 collapses more often than default BF16 0/5 (Fisher p = 0.004, post hoc)")
     assert c.verdict(rates(**{"default BF16": (0, 5), "rope": (3, 5), "all three": (1, 5), "engine schedule": (0, 5)}),
                      "s") == ("default BF16 did not collapse (0 of 5 seeds); aligned arms that did, not more often beyond "
                               "chance: rope 3/5 (Fisher p = 0.083), all three 1/5 (Fisher p = 0.5)")  # 3/5 vs 0/5: 10/120
-    assert c.verdict(rates(**{"default BF16": (0, 5), "rope": (5, 5), "FP32 control": (0, 5)}), "s") == (
+    assert c.verdict(rates(**{"default BF16": (0, 5), "rope": (5, 5), "FP32 control": (0, 5)}), "s", planned=True) == (
         "the opposite of the paper: rope 5/5 (Fisher p = 0.004) collapses more often than default BF16 0/5")
     control_alone = pd.DataFrame({("s", "FP32 control"): {"seeds": 1, "collapses": 0}}).T  # a search of the control alone
     assert c.verdict(control_alone, "s").startswith("no default BF16 arm")
@@ -196,3 +209,19 @@ def test_step_sizes_compare_sweeps_that_differ_only_in_the_learning_rate():
     quiet = rates.assign(collapses=0)
     assert c.step_size_verdict(c.step_size_table(quiet, grid)) == "1 more pair of step sizes without a collapse at either"
     assert c.step_size_verdict(c.step_size_table(rates, grid[2:])) == "no sweeps that differ only in the step size"
+
+
+def test_holm_adjusts_step_down_and_counts_a_missing_test():
+    adjusted = c.holm({"H1": 0.01, "H2": 0.04, "H3": 0.03, "H4": 0.5})
+    assert [adjusted[h]["adjusted"] for h in ("H1", "H3", "H2", "H4")] == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert [h for h, r in adjusted.items() if r["rejects"]] == ["H1"]  # 0.03 alone would pass; Holm's 3 x 0.03 does not
+    with_missing = c.holm({"H1": 0.01, "H2": None})
+    assert with_missing["H1"]["adjusted"] == pytest.approx(0.02) and with_missing["H2"]["adjusted"] is None
+
+
+def test_the_preregistration_names_every_test_of_every_question_and_the_holm_family():
+    reg = c.preregistration()
+    assert not reg["stage_0_regime"]["confirmatory"]
+    tests = sorted(reg["tests"])
+    assert tests == [f"H{i}" for i in range(1, len(tests) + 1)] and all(h in reg["multiplicity"] for h in ("H1", tests[-1]))
+    assert reg["questions"]["Q2_edge"]["equivalence_margin"]["log_step_size"] == pytest.approx(math.log(1.25), abs=1e-6)

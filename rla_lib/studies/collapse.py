@@ -22,11 +22,14 @@ and schedule); on few problems it is large, which is why the study evaluates on 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 
+from ..paths import DATA_DIR
 from .stability import NOISE_Z, accuracy_verdict, binomial_se
 
 FRACTION = 0.5  # a collapse ends below half the peak accuracy (the paper's runs fall to near zero)
@@ -203,44 +206,79 @@ def _seeds(n) -> str:
     return f"{int(n)} seed" + ("" if int(n) == 1 else "s")
 
 
+PAPER_LIKE_RATES = (0.6, 0.0)  # the effect that matters: default BF16 collapsing in 3 of 5 runs, the aligned arm in none
+
+
 def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "FP32 control",
-            alpha: float = 0.05) -> str:
-    """One sweep's answer from its `collapse_rates` rows: "reproduces the paper" only where an aligned arm collapses
-    less often than `reference` beyond chance; "not the mismatch" where `control` (no mismatch) collapses more often
-    than `reference` beyond chance; "the opposite of the paper" where an aligned arm does; "step size, not mismatch"
-    where `control` collapses and is not told apart from `reference`; else what the seeds cannot tell."""
+            alpha: float = 0.05, planned: bool = False) -> str:
+    """One sweep's answer from its `collapse_rates` rows. A cause is named ("reproduces the paper", "not the mismatch",
+    "the opposite of the paper") only where the comparison was `planned` (pre-registered, data/grpo_study/
+    preregistration.json) and significant at `alpha` (the caller's level after Holm's correction); an unplanned one
+    says what the counts show and that it is post hoc. Where nothing differs beyond chance it says "cannot tell", with
+    the power of these seeds for the effect that matters (`PAPER_LIKE_RATES`): no difference found is never a cause."""
     g = rates.loc[sweep]
     if reference not in g.index:
         return f"no {reference} arm ({', '.join(g.index)} only): nothing to compare"
     ref, c = g.loc[reference], g.loc[control] if control in g.index else None
     counts = _counts(g, reference)
     control_counts = "" if c is None else _counts(g, control)
+    post_hoc = "" if planned else ", post hoc"
     # p of "default BF16 collapses less often than the control": the other side of the arms' test
     p_more = np.nan if c is None else fisher_one_sided(int(c["collapses"]), int(c["seeds"]),
                                                        int(ref["collapses"]), int(ref["seeds"]))
     if p_more < alpha:
-        return f"not the mismatch: {control_counts} collapses more often than {counts} (Fisher p = {p_more:.2g})"
+        return (("not the mismatch: " if planned else "") + f"{control_counts} collapses more often than {counts} "
+                f"(Fisher p = {p_more:.2g}{post_hoc})")
     # aligned arms that collapsed, with p of "more often than default BF16": the paper's claim the other way round
     worse = {_counts(g, arm): fisher_one_sided(int(g.loc[arm, "collapses"]), int(g.loc[arm, "seeds"]),
                                                int(ref["collapses"]), int(ref["seeds"]))
              for arm in ALIGNED_ARMS if arm in g.index and g.loc[arm, "collapses"] > ref["collapses"]}
-    if beyond := [f"{arm} (Fisher p = {p:.2g})" for arm, p in worse.items() if p < alpha]:
-        return (f"the opposite of the paper: {', '.join(beyond)} collapse{'s' if len(beyond) == 1 else ''} more often "
-                f"than {counts}")
+    if beyond := [f"{arm} (Fisher p = {p:.2g}{post_hoc})" for arm, p in worse.items() if p < alpha]:
+        return (("the opposite of the paper: " if planned else "") + f"{', '.join(beyond)} "
+                f"collapse{'s' if len(beyond) == 1 else ''} more often than {counts}")
     if ref["collapses"] == 0:
         return f"default BF16 did not collapse (0 of {_seeds(ref['seeds'])})" + (
             f"; {control_counts}" if c is not None and c["collapses"] > 0 else "") + (
             "; aligned arms that did, not more often beyond chance: "
             + ", ".join(f"{arm} (Fisher p = {p:.2g})" for arm, p in worse.items()) if worse else "")
     p = g[f"p fewer than {reference}"]
-    fewer = [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]
-    if fewer:
-        return f"reproduces the paper: {', '.join(fewer)} collapse less often than default BF16 (Fisher p < {alpha})"
-    if c is not None and c["collapses"] > 0 and p[control] >= alpha:
-        aligned = [_counts(g, arm) for arm in ALIGNED_ARMS if arm in g.index]
-        return (f"step size, not mismatch: {control} collapses {int(c['collapses'])}/{int(c['seeds'])}, {counts}"
-                + (f"; aligned, none fewer beyond chance: {', '.join(aligned)}" if aligned else ""))
-    return f"cannot tell with {_seeds(ref['seeds'])}: {counts}, no arm fewer beyond chance"
+    if fewer := [arm for arm in ALIGNED_ARMS if arm in g.index and p[arm] < alpha]:
+        return (("reproduces the paper: " if planned else "") + f"{', '.join(fewer)} collapse less often than "
+                f"default BF16 (Fisher p < {alpha}{post_hoc})")
+    others = [_counts(g, arm) for arm in (*ALIGNED_ARMS, control) if arm in g.index]
+    seeds = int(min([ref["seeds"], *(g.loc[arm, "seeds"] for arm in (*ALIGNED_ARMS, control) if arm in g.index)]))
+    power = fisher_power(*PAPER_LIKE_RATES, seeds, alpha)
+    return (f"cannot tell with {_seeds(ref['seeds'])}: {counts}" + (f", {', '.join(others)}" if others else "")
+            + f", no arm fewer beyond chance; power {power:.0%} to see collapse rates {PAPER_LIKE_RATES[0]:g} "
+            f"against {PAPER_LIKE_RATES[1]:g} with {_seeds(seeds)} per arm")
+
+
+def holm(pvalues: dict[str, float], alpha: float = 0.05) -> dict[str, dict]:
+    """Holm's step-down procedure over a family of tests: each test's adjusted p (the running maximum of
+    (m - rank) x p over the p-values in ascending order, capped at 1) and whether it rejects at family-wise `alpha`.
+    A test with no p-value (not run) is reported as such and counts in m: a missing test cannot make the others
+    easier to pass."""
+    m = len(pvalues)
+    ranked = sorted(((p, name) for name, p in pvalues.items() if p is not None and np.isfinite(p)))
+    out, running = {}, 0.0
+    for rank, (p, name) in enumerate(ranked):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[name] = {"p": p, "adjusted": running, "rejects": running <= alpha}
+    return out | {name: {"p": None, "adjusted": None, "rejects": False} for name in pvalues if name not in out}
+
+
+def preregistration(path=None) -> dict:
+    """The study's pre-registration (data/grpo_study/preregistration.json), checked: every test belongs to a question
+    that lists it, and every question's tests exist."""
+    path = Path(path) if path else DATA_DIR / "grpo_study" / "preregistration.json"
+    reg = json.loads(path.read_text())
+    if reg.get("format") != "rla-preregistration/1":
+        raise ValueError(f"{path}: not a pre-registration (format rla-preregistration/1)")
+    listed = {t for q in reg["questions"].values() for t in q["tests"]}
+    owned = {name: t["question"] for name, t in reg["tests"].items()}
+    if listed != set(owned) or any(name not in reg["questions"][q]["tests"] for name, q in owned.items()):
+        raise ValueError(f"{path}: questions and tests do not match ({sorted(listed ^ set(owned))})")
+    return reg
 
 
 def step_size_table(rates, grid) -> "pd.DataFrame":
