@@ -41,6 +41,29 @@ def test_every_notebook_has_a_parameters_cell_and_no_outputs():
         assert nb_path.stem in FAST, f"{nb_path.name}: add its fast parameters to FAST"
 
 
+
+def saved_figure_names() -> list[str]:
+    """The names the notebooks save figures under (`save_figure(fig, "name")`), f-string fields as wildcards."""
+    import re
+
+    names = []
+    for nb_path in NOTEBOOKS:
+        code = "".join("".join(c["source"]) for c in json.loads(nb_path.read_text())["cells"] if c["cell_type"] == "code")
+        names += [re.sub(r"\\{[^}]*\\}", ".+", re.escape(m)) for m in re.findall(r"save_figure\([^,]+,\s*f?[\"']([^\"']+)[\"']", code)]
+    return names
+
+
+def test_every_committed_figure_is_one_a_notebook_writes():
+    """No stray figure: each file in figures/ carries a name some notebook saves (a renamed or dropped figure's old
+    file goes with it)."""
+    import re
+
+    names = saved_figure_names()
+    assert len(names) >= len(NOTEBOOKS)
+    stray = [f.name for f in sorted((ROOT / "figures").glob("*.*"))
+             if not any(re.fullmatch(n, f.stem) for n in names)]
+    assert not stray, f"figures no notebook writes (delete them, or the notebook that should write them): {stray}"
+
 # Two test files, so `make test`'s two test processes run notebooks side by side (each file whole in one process): this
 # one the notebooks that reuse another's results (02b and 06 read 02a's captures, 07's uncapped level 02b's measurement;
 # 00, 02b and 03 share sampled responses and scored sides through mismatch.measure's cache), test_notebooks_apart.py
