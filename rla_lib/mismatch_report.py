@@ -15,10 +15,10 @@ from . import sides
 from .align import REGIONS
 from .engine_align import engine_schedule_for
 from .align.schedule import schedule_to_align_kwargs
-from .kl import FEW_PROMPTS, all_equal_bound
+from .kl import FEW_PROMPTS
 from .mismatch_run import MismatchRun
 from .sides import config_name
-from .report import pct_ci
+from .report import pct_ci, share_cell
 
 # label -> training configuration name (`sides.config_name`), the engine-aligned one per mode
 SIDES = {"stock BF16": "none", "RoPE only": "rope", "SwiGLU only": "swiglu", "residual RMSNorm only": "residual_norm",
@@ -81,6 +81,8 @@ def _kl_cell(r, e: str) -> str:
         return "-"
     if r[e] == r[f"{e} ci_low"] == r[f"{e} ci_high"] == 0:  # every term 0: a count, not a zero-width interval
         return f"0 on all {int(r['tokens']):,} tokens"
+    if r[f"{e} ci_low"] == r[f"{e} ci_high"]:  # every prompt alike: no interval to give, and none of zero width
+        return f"{r[e]:.3g} (alike on every prompt)"
     return f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}]"
 
 
@@ -88,8 +90,7 @@ def _cells(r) -> list[str]:
     kl_cells = [_kl_cell(r, e) for e in ("sampled", "k3", "exact")]
     change = ("-" if pd.isna(r.get("change")) else "to 0 on every token" if r[r["change by"]] == 0
               else pct_ci(r["change"], r["change ci_low"], r["change ci_high"]))
-    share = (f"all {int(r['tokens']):,} (prompt share >= {all_equal_bound(int(r['prompts'])):.1%}, exact 95% bound)"
-             if r["bitwise"] == 1 else f"{r['bitwise']:.1%} [{r['bitwise ci_low']:.1%}, {r['bitwise ci_high']:.1%}]")
+    share = share_cell(r["bitwise"], r["bitwise ci_low"], r["bitwise ci_high"], int(r["tokens"]), int(r["prompts"]))
     return [r["mode"], r["training side"], *kl_cells, change, share]
 
 

@@ -2,6 +2,7 @@
 bad input refused before any engine starts."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -122,3 +123,19 @@ def test_measure_on_chat_prompts_of_a_checkpoint_with_a_template(tmp_path, capsy
     tokenizer = load_tokenizer(model)
     for sequence, start, prompt in zip(run.sequences, run.starts, run.prompts):
         assert tokenizer.decode(sequence[:start + 1]) == f"{prompt}+{2 * prompt + 1}="
+
+
+def test_the_printed_table_shows_no_interval_of_zero_width():
+    """Where every prompt is alike (no token bitwise, every token bitwise, KL 0 everywhere) the table says so with the
+    exact bound, never "0.0% [0.0%, 0.0%]"."""
+    row = dict(mode="eager", tokens=96, prompts=8, sampled=2e-4, k3=1e-4, exact=0.0, change=float("nan"),
+               **{"change by": "exact", "sampled ci_low": 1e-4, "sampled ci_high": 3e-4, "k3 ci_low": 5e-5,
+                  "k3 ci_high": 2e-4, "exact ci_low": 0.0, "exact ci_high": 0.0})
+    stock = row | {"training side": "stock BF16", "bitwise": 0.0, "bitwise ci_low": 0.0, "bitwise ci_high": 0.0,
+                   "k3": 3e-4, "k3 ci_low": 3e-4, "k3 ci_high": 3e-4}
+    aligned = row | {"training side": mismatch_report.ENGINE_ALIGNED, "bitwise": 1.0, "bitwise ci_low": 1.0,
+                     "bitwise ci_high": 1.0}
+    printed = mismatch_report.text_table(pd.DataFrame([stock, aligned]))
+    assert not re.search(r"\[([-+\d.e%]+), \1\]", printed), printed
+    assert "none of 96 tokens of 8 prompts (prompt share <=" in printed and "all 96 tokens of 8 prompts" in printed
+    assert "0 on all 96 tokens" in printed and "alike on every prompt" in printed
