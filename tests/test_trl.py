@@ -7,9 +7,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rla_lib.engine_align import align_to_engine
+from rla_lib.machine import vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer, resolve_model
 from rla_lib.tokenizer import build_tokenizer
 from rla_lib.trl_grpo import EngineGRPOTrainer, GRPOConfig, task_dataset, task_reward
+from test_engine_align import MEASURED_EXACT
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/exact_kl", "mismatch/abs_diff_mean", "mismatch/tokens"]
 TRL_KEYS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
@@ -64,6 +66,12 @@ def test_two_steps_log_the_mismatch_and_the_aligned_side_is_closer_on_the_same_t
     stock, aligned = logs["stock"][0], logs["aligned"][0]
     assert aligned["mismatch/k3"] < stock["mismatch/k3"]
     assert aligned["mismatch/exact_kl"] < stock["mismatch/exact_kl"]
+    if vllm_cpu_attention_kernel() in MEASURED_EXACT:
+        # the trainer scores as the engine does: aligned to the engine, TRL's own metrics read exactly no mismatch
+        for h in logs["aligned"]:
+            assert h["sampling/sampling_logp_difference/max"] == 0 and h["mismatch/exact_kl"] == 0, h
+        assert aligned["sampling/importance_sampling_ratio/mean"] == 1 and aligned["mismatch/k1"] == 0
+        assert stock["sampling/sampling_logp_difference/max"] > 0  # the check bites: stock BF16 is not the engine's
 
 
 def stand_in_engine(model="qwen3-tiny"):
