@@ -332,7 +332,8 @@ def block_trl() -> str:
     first = t[t["step"] == t["step"].min()].set_index("arm")
     stock = first.loc["stock", "mismatch/exact_kl"]
     rows = [[arm, r["positions"], f"{r['mismatch/k1']:.3g}", f"{r['mismatch/k3']:.3g}", f"{r['mismatch/exact_kl']:.3g}",
-             pct(r["mismatch/exact_kl"] / stock - 1, 2), f"{r['sampling/sampling_logp_difference/mean']:.3g}",
+             "to 0 (every token bitwise)" if r["mismatch/exact_kl"] == 0 and r["sampling/sampling_logp_difference/max"] == 0
+             else pct(r["mismatch/exact_kl"] / stock - 1, 2), f"{r['sampling/sampling_logp_difference/mean']:.3g}",
              f"{t[t['arm'] == arm]['mismatch/exact_kl'].mean():.3g}"] for arm, r in first.iterrows()]
     same = bool(first["same_rollout_as_stock"].all())
     return "\n\n".join([
