@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme measure-example test test-fast test-transformers test-install test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
+.PHONY: setup run-all readme measure-example test test-fast test-bench test-transformers test-install test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -80,7 +80,7 @@ XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist 
 test: setup
 	@mkdir -p .venv-tf; $(MAKE) --no-print-directory test-transformers > .venv-tf/test.log 2>&1 & transformers=$$!; \
 	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 \
-		-m "not real_shape" tests $(PYTEST_ARGS); suite=$$?; \
+		-m "not real_shape and not slow_bench" tests $(PYTEST_ARGS); suite=$$?; \
 	wait $$transformers; versions=$$?; cat .venv-tf/test.log; \
 	[ $$versions -eq 0 ] || echo "FAILED: make test-transformers (the align tests under other Transformers releases)"; \
 	[ $$suite -eq 0 ] && [ $$versions -eq 0 ]
@@ -143,9 +143,15 @@ measure-example: setup
 	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla measure --model $$m --prompts data/prompts/sums-64.jsonl --out tables/measure-$$m --quiet || exit 1; done
 	$(PY) -m tools.readme
 
-# Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`).
+# Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`) and the
+# benchmarks' quickest forms (marked `bench`).
 test-fast: setup
-	$(CAP) $(VENV)/bin/pytest -q -rs -m "not engine and not real_shape" tests $(PYTEST_ARGS)
+	$(CAP) $(VENV)/bin/pytest -q -rs -m "not engine and not real_shape and not bench" tests $(PYTEST_ARGS)
+
+# Every benchmark's quickest documented form (tests/test_benchmarks.py), the slow ones (marked `slow_bench`) included:
+# each runs, prints its figures and writes no table. `make test` runs the others.
+test-bench: setup
+	$(CAP) $(VENV)/bin/pytest -q -rs --durations=0 tests/test_benchmarks.py $(PYTEST_ARGS)
 
 # JupyterLab on notebooks/ with the rla kernel, on 127.0.0.1:$$LAB_PORT (8888; the next free port if taken).
 lab: setup

@@ -2,12 +2,14 @@
 (`rla_lib.native.AdamW`: torch's for-loop arithmetic in three passes over memory), against torch's for-loop and
 foreach implementations. Checks all three give the same bits.
 
-    .venv/bin/python benchmarks/adamw_step.py [--models qwen3-tiny qwen3-0.6b-shape] [--steps 5]
+    .venv/bin/python benchmarks/adamw_step.py [--models qwen3-tiny qwen3-0.6b-shape] [--steps 5] [--no-save]
+    .venv/bin/python benchmarks/adamw_step.py --models qwen3-tiny --steps 1 --no-save   # quickest
 
 The model is built from its config (random weights, random gradients: the step's time and bits do not depend on the
 values), the embedded qwen3-tiny or a real shape of `rla_lib.real_shape` (Qwen3-0.6B: 0.6 B parameters, 7 GB of FP32
 weights and optimizer state, 15 GB at the peak here). Prints the median time of `--steps` steps after one warm-up
-step for each and writes tables/bench_adamw_step.csv, one row per model (its sidecar names the machine).
+step for each and writes tables/bench_adamw_step.csv, one row per model (its sidecar names the machine; not with
+`--no-save`).
 """
 
 import argparse
@@ -74,9 +76,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-tiny", "qwen3-0.6b-shape"],
                         help="real shapes of rla_lib.real_shape or model names")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     rows = [measure(model, args.steps) for model in args.models]
-    save_table(pd.DataFrame(rows).set_index("model"), capped_name("bench_adamw_step"), vars(args))
+    if args.save:
+        save_table(pd.DataFrame(rows).set_index("model"), capped_name("bench_adamw_step"), vars(args))
 
 
 if __name__ == "__main__":

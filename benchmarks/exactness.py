@@ -2,6 +2,7 @@
 lower level it can be capped to (`rla_lib.machine.ISA_LEVELS`, each in its own process):
 
     .venv/bin/python benchmarks/exactness.py [--models qwen3-tiny qwen2-tiny] [--prompts 64] [--levels avx2] [--no-save]
+    .venv/bin/python benchmarks/exactness.py --models qwen3-tiny --modes eager --levels native --prompts 2 --samples 1 --max-tokens 4 --no-save   # quickest, starts vLLM (slow: make test-bench)
 
 For each (level, model, mode) an engine starts and `align_to_engine(model, engine)` reads its rounding schedule and
 takes its attention kernel's numerics (verified on 64 probe prompts). Then held-out prompts (after the probe's) are
@@ -11,8 +12,8 @@ whose logprob is bitwise the engine's (as sampled, and as rescored), prompts wit
 one-sided 95% bound on that share: `kl.all_equal_bound`), the exact KL(engine's sampling distribution || training)
 per token and the largest |logprob difference|.
 
-Writes tables/exactness.csv (and .json); rows of other CPUs are kept (a CPU and level's rows are replaced), so the
-table collects every CPU kind it was run on. The README's exactness section is rendered from it.
+Writes tables/exactness.csv (and .json); rows of other CPUs are kept (a CPU, level, model and mode's rows are replaced),
+so the table collects every CPU kind it was run on. The README's exactness section is rendered from it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from rla_lib.machine import cpu_generation, cpu_model, isa_level, isa_levels, vllm_cpu_attention_kernel
+from rla_lib.machine import cpu_generation, cpu_model, isa_level, isa_levels, resolve_levels, vllm_cpu_attention_kernel
 from rla_lib.paths import ROOT
 from rla_lib.report import TABLES_DIR, save_table
 
@@ -80,16 +81,17 @@ def score_sides(model_name: str, mode: str, prompts: int, samples: int, max_toke
     return rows
 
 
-def measure_here(models, prompts: int, samples: int, max_tokens: int, seed: int) -> pd.DataFrame:
-    rows = [r for m in models for mode in MODES for r in score_sides(m, mode, prompts, samples, max_tokens, seed)]
+def measure_here(models, modes, prompts: int, samples: int, max_tokens: int, seed: int) -> pd.DataFrame:
+    rows = [r for m in models for mode in modes for r in score_sides(m, mode, prompts, samples, max_tokens, seed)]
     return pd.DataFrame(rows).assign(cpu=f"{cpu_model()} ({cpu_generation()})", level=isa_level(),
                                      vllm_attention_kernel=vllm_cpu_attention_kernel())
 
 
 def measure_level(level: str, args) -> pd.DataFrame:
     """`measure_here` in a process capped to `level` (the machine's own level runs uncapped)."""
-    cmd = [sys.executable, __file__, "--worker", "--models", *args.models, "--prompts", str(args.prompts),
-           "--samples", str(args.samples), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+    cmd = [sys.executable, __file__, "--worker", "--models", *args.models, "--modes", *args.modes,
+           "--prompts", str(args.prompts), "--samples", str(args.samples), "--max-tokens", str(args.max_tokens),
+           "--seed", str(args.seed)]
     if level != isa_levels()[0]:
         cmd = [sys.executable, "-m", "rla_lib.machine", "--level", level, *cmd]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -101,30 +103,33 @@ def measure_level(level: str, args) -> pd.DataFrame:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-tiny", "qwen2-tiny"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--levels", nargs="+", help="default: every level this CPU can run")
+    parser.add_argument("--levels", nargs="+", help="default: every level this CPU can run; native: its own")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:  # one level's rows, as JSON on the last line
-        print(measure_here(args.models, args.prompts, args.samples, args.max_tokens, args.seed).to_json(orient="records"))
+        print(measure_here(args.models, args.modes, args.prompts, args.samples, args.max_tokens, args.seed)
+              .to_json(orient="records"))
         return
-    levels = args.levels or isa_levels()
-    unknown = sorted(set(levels) - set(isa_levels()))
-    if unknown:
-        raise SystemExit(f"this CPU cannot run level(s) {', '.join(unknown)}; it runs {', '.join(isa_levels())}")
+    try:
+        levels = resolve_levels(args.levels)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     new = pd.concat([measure_level(level, args) for level in levels], ignore_index=True)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(new.drop(columns=["probe"]).to_string(index=False))
     if args.save:
         path = TABLES_DIR / f"{TABLE}.csv"
         old = pd.read_csv(path) if path.exists() else new.iloc[:0]
-        replaced = old.set_index(["cpu", "level"]).index.isin(new.set_index(["cpu", "level"]).index)
+        key = ["cpu", "level", "model", "mode"]  # a run of some models or modes keeps the others' rows
+        replaced = old.set_index(key).index.isin(new.set_index(key).index)
         table = pd.concat([old[~replaced], new], ignore_index=True)
-        save_table(table, TABLE, dict(models=args.models, prompts=args.prompts, samples=args.samples,
+        save_table(table, TABLE, dict(models=args.models, modes=args.modes, prompts=args.prompts, samples=args.samples,
                                       max_tokens=args.max_tokens, seed=args.seed, levels=levels))
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/fresh_clone_test.py [--env OMP_NUM_THREADS=1] [--label name]
     .venv/bin/python benchmarks/fresh_clone_test.py --target run-all [--table run_all_time_before] [--commit REV]
+    .venv/bin/python benchmarks/fresh_clone_test.py --dry-run   # quickest
 
 Clones HEAD (or --commit) into a temporary folder, runs `make setup` and then `make test` there, and writes the times and
 pytest's counts to tables/bench_fresh_clone.csv (one row per label; the README's "Time" line reads it).
@@ -18,6 +19,10 @@ next `make test` runs the slowest files first from it). A test that failed once 
 --target run-all: `make run-all` in the clone, with compile caches as cold as on a fresh machine (TMPDIR, where
 inductor and the capped levels keep theirs, is a new empty folder; vLLM's own cache is in the clone). The clone's
 per-notebook times (`rla_lib.report times`) are copied to tables/<--table>.csv, which the README's speed table reads.
+
+--dry-run: clone and check out as a run would, refuse a stale README as `make test` would (with this environment's
+Python, the clone's code), and print what the run would do and which tables it would write; no set-up, no suite,
+nothing written (a check that the script works: the smoke test cannot run the whole suite inside the suite).
 """
 
 import argparse
@@ -230,14 +235,30 @@ def run_all(clone: Path, env: dict, setup_s: float, commit: str, table: str) -> 
         f"set-up {setup_s:.0f} s, make run-all {run_s:.0f} s in all")), commit=commit)
 
 
-def refuse_stale_readme(clone: Path, commit: str) -> None:
+def refuse_stale_readme(clone: Path, commit: str, python: str | None = None) -> None:
     """A commit whose README blocks disagree with its own tables fails test_readme for that alone (a benchmark's
-    tables committed before `make readme`): say so before a run's half hour, not in its failure count."""
-    check = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-m", "tools.readme", "--check"], cwd=clone,
-                           capture_output=True, text=True)
+    tables committed before `make readme`): say so before a run's half hour, not in its failure count. `python`:
+    the clone's environment by default; the clone's code either way."""
+    check = subprocess.run([python or str(clone / ".venv" / "bin" / "python"), "-m", "tools.readme", "--check"],
+                           cwd=clone, env=os.environ | {"PYTHONPATH": str(clone)}, capture_output=True, text=True)
     if check.returncode:
         raise SystemExit(f"{commit}: {check.stdout.strip() or check.stderr.strip()[-500:]}. Run `make readme`, commit, "
                          "and start this again.")
+
+
+def planned(args, label: str, commit: str) -> str:
+    """What a run with these arguments would do and write (--dry-run)."""
+    if args.target == "run-all":
+        runs, tables = "`make run-all` with cold compile caches", f"tables/{args.table}.csv"
+    elif args.repeat:
+        runs = f"`make test` {args.repeat} times" + (" beside a CPU hog on core 0" if args.load else "")
+        tables = "tables/bench_fresh_clone.csv, bench_suite_repeats.csv, bench_test_times.csv and bench_engine_starts.csv"
+    else:
+        runs, tables = "`make test`", f"tables/bench_fresh_clone.csv (row {label!r})"
+    checked = "; its README blocks match its tables" if args.target == "test" else ""
+    env = f" with {' '.join(args.env)}" if args.env else ""
+    return (f"dry run at {commit}: cloned and checked out{checked}. A run would take `make setup`, then {runs}{env}, "
+            f"in the clone, and write {tables}")
 
 
 def main() -> None:
@@ -251,6 +272,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=0, help="run `make test` this many times in the clone and count "
                         "each test's outcomes (tables/bench_suite_repeats.csv)")
     parser.add_argument("--load", action="store_true", help="with --repeat: a CPU hog on core 0 for the whole run")
+    parser.add_argument("--dry-run", action="store_true", help="clone, check and say what a run would do; run nothing")
     args = parser.parse_args()
     if args.load and not args.repeat:
         parser.error("--load goes with --repeat N")
@@ -264,6 +286,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rla-fresh-") as tmp:
         subprocess.run(["git", "clone", "--quiet", str(ROOT), tmp], check=True)
         subprocess.run(["git", "checkout", "--quiet", commit], cwd=tmp, check=True)
+        if args.dry_run:
+            if args.target == "test":
+                refuse_stale_readme(Path(tmp), commit, python=sys.executable)
+            print(planned(args, label, commit))
+            return
         setup_s, out, rc = timed(["make", "setup"], tmp, env)
         if rc:
             raise SystemExit(f"make setup failed:\n{out[-3000:]}")

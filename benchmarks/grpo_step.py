@@ -1,6 +1,7 @@
 """Time one GRPO step on the embedded model (rollout + scoring + update + weight sync), with breakdown.
 
-    .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32]
+    .venv/bin/python benchmarks/grpo_step.py [--steps 10] [--regions rope ...] [--precision bf16|fp32] [--no-save]
+    .venv/bin/python benchmarks/grpo_step.py --steps 2 --prompts 2 --group-size 2 --max-tokens 8 --no-save   # quickest, starts vLLM
 
 Prints the median over steps after the first (warm-up) step, the tokens the training side sees
 (real and padded) and the training process's peak resident memory (the embedded model's engine runs in that process
@@ -152,7 +153,11 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rewards", default="task", choices=["task", "coin"])
     parser.add_argument("--allocator", default="keep", choices=["keep", "default"])
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                        help="write tables/bench_grpo_step_<precision>[_<regions>][_<model>].csv")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (the first is the warm-up, the median is over the others)")
     if args.rewards == "coin":
         grpo.rollout = coin_rewards(grpo.rollout)
     profiled = args.steps + 1  # after the timed steps, not among them
@@ -203,4 +208,5 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
                                                floor=floor, **kernels, kernel_floor=kernel_floor)
     name = capped_name(f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
                        + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
-    save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})
+    if args.save:
+        save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})

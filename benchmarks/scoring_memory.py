@@ -2,14 +2,16 @@
 chunked (`rla_lib.scoring.head_logprobs`) against the naive full-logits path, and the exact-KL path
 (`rla_lib.exact_kl`) on the Qwen3-0.6B-shaped checkpoint.
 
-    .venv/bin/python benchmarks/scoring_memory.py [--tokens 8192] [--exact-kl-tokens 4096] [--no-exact-kl]
+    .venv/bin/python benchmarks/scoring_memory.py [--tokens 8192] [--exact-kl-tokens 4096] [--no-exact-kl] [--no-save]
+    .venv/bin/python benchmarks/scoring_memory.py --tokens 256 --vocab 4096 --no-exact-kl --no-save   # quickest
 
 Each case runs in a fresh process; its peak is the rise of the process's resident set above what it held
 before the case started (Linux VmHWM, reset through /proc/self/clear_refs), so the inputs themselves are not
 counted. The LM head cases start from the hidden states (tokens x 1,024, as the 0.6B shape's decoder gives
 them): the decoder's own activations are the same on both paths. The exact-KL case counts this process only
 (vLLM's engine runs in its own process; its memory is the engine's and does not grow with the vocabulary
-chunks). Writes tables/bench_scoring_memory.csv. Needs `make real-shape` for the exact-KL case.
+chunks). Writes tables/bench_scoring_memory.csv (not with `--no-save`). Needs `make real-shape` for the exact-KL case.
+`--vocab` shrinks the LM head cases' vocabulary (a check that the script runs: the peaks it gives are not the point).
 """
 
 import argparse
@@ -45,14 +47,14 @@ def measure_peak(fn) -> tuple[float, float]:
     return (status_kib("VmHWM") - before) / 2**20, time.perf_counter() - t
 
 
-def head_case(path: str, grad: bool, tokens: int) -> dict:
+def head_case(path: str, grad: bool, tokens: int, vocab: int = VOCAB_SIZE) -> dict:
     g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB_SIZE, bias=False, dtype=torch.bfloat16)
+    head = torch.nn.Linear(HIDDEN, vocab, bias=False, dtype=torch.bfloat16)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(VOCAB_SIZE, HIDDEN, generator=g) * 0.02)
+        head.weight.copy_(torch.randn(vocab, HIDDEN, generator=g) * 0.02)
     head.weight.requires_grad_(grad)
     hidden = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16).requires_grad_(grad)
-    targets = torch.randint(0, VOCAB_SIZE, (tokens,), generator=g)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
 
     def run():
         with torch.set_grad_enabled(grad):
@@ -85,7 +87,8 @@ def exact_kl_case(tokens: int) -> dict:
 
 def child(args) -> None:
     case = json.loads(args.child)
-    row = exact_kl_case(case["tokens"]) if case["kind"] == "exact_kl" else head_case(case["kind"], case["grad"], case["tokens"])
+    row = (exact_kl_case(case["tokens"]) if case["kind"] == "exact_kl"
+           else head_case(case["kind"], case["grad"], case["tokens"], case["vocab"]))
     print("RESULT " + json.dumps(row))
 
 
@@ -101,13 +104,15 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8 * 1024)
     parser.add_argument("--exact-kl-tokens", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=VOCAB_SIZE, help="the LM head cases' vocabulary (a real Qwen's)")
     parser.add_argument("--no-exact-kl", action="store_true")
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         raise SystemExit(0)
-    cases = [dict(kind=k, grad=g, tokens=args.tokens) for g in (False, True) for k in ("naive", "chunked")]
+    cases = [dict(kind=k, grad=g, tokens=args.tokens, vocab=args.vocab) for g in (False, True) for k in ("naive", "chunked")]
     if not args.no_exact_kl:
         if not (REAL_SHAPE / "config.json").exists():
             raise SystemExit(f"{REAL_SHAPE} is missing: run `make real-shape` first, or pass --no-exact-kl")
@@ -121,4 +126,5 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     for grad in (False, True):
         naive, chunked = (table[(table.case.str.endswith(p)) & (table.grad == grad)].peak_gb.iloc[0] for p in ("naive", "chunked"))
         print(f"chunked / naive peak, grad={grad}: {chunked / naive:.3f} (target with gradients: <= 0.25)")
-    save_table(table, "bench_scoring_memory", vars(args) | {"vocab": VOCAB_SIZE, "hidden": HIDDEN, "threads": torch.get_num_threads()})
+    if args.save:
+        save_table(table, "bench_scoring_memory", vars(args) | {"hidden": HIDDEN, "threads": torch.get_num_threads()})

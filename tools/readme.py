@@ -135,7 +135,16 @@ def block_schedule() -> str:
 
 
 def block_overhead() -> str:
-    t, meta = load_table("bench_align_overhead")
+    """The overhead table at this machine's level and, where there is one, capped to avx2 (the speed table's level)."""
+    capped = "bench_align_overhead_avx2"
+    if not (TABLES_DIR / f"{capped}.csv").exists():
+        return overhead_table("bench_align_overhead")
+    return "\n\n".join([overhead_table("bench_align_overhead"), "Capped to avx2 (`python -m rla_lib.machine --level avx2 "
+                        ".venv/bin/python benchmarks/align_overhead.py`):", overhead_table(capped)])
+
+
+def overhead_table(name: str) -> str:
+    t, meta = load_table(name)
     rows = []
     for config, g in t.groupby("config", sort=False):
         g = g.set_index("shape")
@@ -149,7 +158,7 @@ def block_overhead() -> str:
                         f"ratio, 95% CI with {'pairs of rounds' if p.get('order') == 'foldover' else 'rounds'} resampled, "
                         f"{p.get('order', 'rotate')} order, "
                         f"{p.get('threads')} thread(s)), activation memory vs stock:",
-                        md_table(header, rows), source("bench_align_overhead", meta)])
+                        md_table(header, rows), source(name, meta)])
 
 
 def pivot_md(t, row: str, cols: list[str], cell, row_header: str, col_label) -> str:
