@@ -49,14 +49,14 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rla_lib import align as rla
-from rla_lib.engine_align import engine_schedule_for
 from rla_lib.align.schedule import schedule_to_align_kwargs
-from rla_lib.kl import bootstrap_indices
+from rla_lib.align.vector_sums import rms_sum_layouts
 from rla_lib.bf16_matmul import use_bf16_matmul
+from rla_lib.engine_align import engine_schedule_for
+from rla_lib.kl import bootstrap_indices
 from rla_lib.machine import capped_name
 from rla_lib.paths import MODELS_DIR, RESULTS_DIR, atomic_write
 from rla_lib.report import save_table
-from rla_lib.align.vector_sums import rms_sum_layouts
 
 
 ROUNDS_LOG = RESULTS_DIR / "align_overhead_rounds.csv"

@@ -10,7 +10,9 @@ sampled, `--samples` each at T=1, with the whole sampling distribution at every 
 rescores the same sequences; the training side scores them stock and engine-aligned. Per side: response tokens
 whose logprob is bitwise the engine's (as sampled, and as rescored), prompts with every token bitwise (with the exact
 one-sided 95% bound on that share: `kl.all_equal_bound`), the exact KL(engine's sampling distribution || training)
-per token and the largest |logprob difference|.
+per token (a term that is not finite is counted, `kl_nonfinite`, and makes the mean NaN: never skipped) and the largest
+|logprob difference|. One criterion, `is_exact` in the renderer: every token bitwise as sampled and as rescored, and
+every exact-KL term 0.
 
 Writes tables/exactness.csv (and .json); rows of other CPUs are kept (a CPU, level, model and mode's rows are replaced),
 so the table collects every CPU kind it was run on. The README's exactness section is rendered from it.
@@ -76,7 +78,9 @@ def score_sides(model_name: str, mode: str, prompts: int, samples: int, max_toke
                 sampled_bitwise=tokens.sampled.mean(), rescored_bitwise=tokens.rescored.mean(),
                 prompts_all_bitwise=int(bitwise_prompts.sum()),
                 prompt_share_bound=kl.all_equal_bound(prompts) if bitwise_prompts.all() else np.nan,
-                exact_kl=tokens.kl.mean(), kl_all_zero=bool((tokens.kl == 0).all()), max_abs_gap=tokens.gap.max(),
+                # a non-finite KL term is an error to count and show, never a term the mean skips
+                exact_kl=tokens.kl.mean(skipna=False), kl_all_zero=bool((tokens.kl == 0).all()),
+                kl_nonfinite=int((~np.isfinite(tokens.kl)).sum()) if full else 0, max_abs_gap=tokens.gap.max(),
                 probe=report if side == "engine-aligned" else ""))
     return rows
 
