@@ -197,7 +197,8 @@ def exactness_verdict(r) -> str:
     if is_exact(r):
         return (f"exact: all {r['tokens']:,} tokens of {r['prompts']} prompts, as sampled and rescored; KL 0 "
                 f"(prompt share >= {r['prompt_share_bound']:.1%}, exact 95% bound)")
-    if pd.notna(nonfinite := r.get("kl_nonfinite")) and nonfinite > 0:  # (absent from rows written before it was kept)
+    nonfinite = float(r.get("kl_nonfinite", 0))  # (NaN in rows written before the count was kept)
+    if not math.isnan(nonfinite) and nonfinite > 0:
         return f"not exact: {int(r['kl_nonfinite'])} KL terms not finite (an error in the measurement, not skipped)"
     return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
             f"{r['prompts_all_bitwise']} of {r['prompts']} prompts all bitwise; KL {r['exact_kl']:.3g} per token")
