@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from rla_lib import grpo, machine, native, task
+from rla_lib.align.monitor import mismatch_summary
+from rla_lib.kl import UNIT
 from rla_lib.studies import arms
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.scoring import pad_batch
@@ -62,7 +64,7 @@ def test_row_logprobs_ignore_other_rows_and_padding(configuration, matmul, monke
     assert torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]])
 
 
-def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude) -> dict:
+def reference_train_step(cfg, step, policy, engine, meter, eval_split, exclude) -> dict:
     """The GRPO step as it was before the speed work: every row scored in one no-grad pass at the batch's
     width, then each minibatch's forward and update. Kept to prove the fast step computes the same bits."""
     samples, rewards = grpo.rollout(cfg, step, engine, exclude)
@@ -70,8 +72,9 @@ def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude
     with torch.no_grad():
         old_lp, entropy = policy.logprobs(ids, attn, grad=False)
     lengths = resp.sum(1).long()
-    monitor.update(step, [s.logprobs for s in samples],
-                   [old_lp[i, s.response_start : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+    mismatch = mismatch_summary([s.logprobs for s in samples],
+                                [old_lp[i, s.response_start : len(s.ids) - 1].numpy() for i, s in enumerate(samples)])
+    meter.watch(mismatch["k3"])
     adv = torch.from_numpy(grpo.group_advantages(rewards, cfg.group_size)).float()
     tis = torch.clamp(torch.exp(old_lp - inf_lp), max=cfg.tis_cap) if cfg.tis_cap else None
     order = np.random.default_rng(cfg.seed * 7919 + step).permutation(len(samples))
@@ -83,9 +86,8 @@ def reference_train_step(cfg, step, policy, engine, monitor, eval_split, exclude
         grad_norms.append(policy.step(loss))
         clip_fracs.append(clip_frac)
     engine.load_weights(policy.rollout_weights())
-    m = monitor.rows[-1]
-    row = dict(step=step, reward=rewards.mean(), tokens=m["tokens"], sampled_kl=m["sampled_kl"], k3=m["k3"],
-               mean_abs_diff=m["mean_abs_diff"], max_abs_diff=m["max_abs_diff"],
+    row = dict(step=step, reward=rewards.mean(), tokens=mismatch["tokens"], sampled_kl=mismatch["k1"] / UNIT,
+               k3=mismatch["k3"] / UNIT, mean_abs_diff=mismatch["abs_diff_mean"], max_abs_diff=mismatch["abs_diff_max"],
                entropy=(entropy * resp).sum().item() / resp.sum().item(), grad_norm=float(np.mean(grad_norms)),
                clip_frac=float(np.mean(clip_fracs)), response_len=lengths.float().mean().item(),
                eval_prompts=len(eval_split), eval_accuracy=np.nan, eval_accuracy_policy=np.nan)

@@ -261,7 +261,7 @@ def test_engines_side_by_side_get_cores_of_their_own_unless_a_binding_is_set(mon
 
 ENGINE_LINEAR_CHECK = """
 import json, torch
-from rla_lib import machine
+from rla_lib import bf16_matmul, machine
 from rla_lib.engine_probes import vllm_linear
 g = torch.Generator().manual_seed(0)
 out = {}
