@@ -18,11 +18,12 @@ paper's three regions (`REGIONS`), without touching matmuls, attention kernels o
   layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
   norm outputs the model dtype for `lm_head`.
 
-Each of the three is a set of the layer's named rounding points (`modeling_qwen.POINTS`) that it keeps in FP32
-(`modeling_qwen.rounding_policy`); the layer's ops and forwards are written once, in `modeling_qwen`, and bound into
-the model's modules by `patch`. `align(model, (), record=...)` runs the stock model through the same code and reports the FP32
-value at every point it rounds (`rla_lib.studies.prerounding`); `align(model, regions, replay=...)` feeds every point
-another value, the engine's own in `rla_lib.studies.op_check`, so each op is checked from the engine's inputs.
+Each of the three is a set of the layer's named rounding points (`modeling_qwen.ROUNDING_POINTS`, the one list of
+them) that it keeps in FP32 (`modeling_qwen.rounding_policy`); the layer's ops and forwards are written once, in
+`modeling_qwen`, and bound into the model's modules by `patch`. `align(model, (), record=...)` runs the stock model
+through the same code and reports the FP32 value at every point it rounds (`rla_lib.studies.prerounding`);
+`align(model, regions, replay=...)` feeds every point another value, the engine's own in `rla_lib.studies.op_check`,
+so each op is checked from the engine's inputs.
 
 A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention
 kernel of the model's `attn_implementation` with the engine's numerics (`rla_lib.align.attention`), per module

@@ -173,8 +173,8 @@ def _check_stock_source(family: _Family) -> Release:
             raise RuntimeError(
                 f"{modules[name].__name__}.{qualname} differs from the transformers {release.verified} code that "
                 f"rla_lib.align was verified on, so the aligned forwards may no longer match it. Install "
-                f"transformers=={release.verified}, or port the aligned forwards in rla_lib/align.py to the new code "
-                "and then add its hashes to rla_lib/align_versions.py."
+                f"transformers=={release.verified}, or port the aligned forwards in rla_lib/align/modeling_qwen.py to the "
+                "new code and then add its hashes to rla_lib/align/versions.py."
             )
     return release
 
