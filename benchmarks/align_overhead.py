@@ -50,6 +50,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rla_lib import align as rla
 from rla_lib.align.schedule import schedule_to_align_kwargs
+from rla_lib.sides import align_config
 from rla_lib.align.vector_sums import rms_sum_layouts
 from rla_lib.bf16_matmul import use_bf16_matmul
 from rla_lib.engine_align import engine_schedule_for
@@ -154,7 +155,7 @@ def use_config(model: torch.nn.Module, config) -> None:
     rla.unalign(model)
     if config is not None:
         regions, options = config
-        rla.align(model, regions, **options)
+        align_config(model, regions, options)
 
 
 def round_order(configs: list[str], r: int, order: str) -> list[str]:

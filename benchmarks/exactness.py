@@ -50,7 +50,7 @@ def score_sides(model_name: str, mode: str, prompts: int, samples: int, max_toke
         full = engine.spec.small_vocab  # whole distributions only where the vocabulary is small
         model = load_model(model_name)
         handle = align_to_engine(model, engine)
-        schedule, report = handle.schedule, exactness(handle.schedule)
+        schedule, report = handle.engine_schedule, exactness(handle.engine_schedule)
         handle.undo()
         groups = engine.sample(held_out, n=samples, max_tokens=max_tokens, seed=seed, full=full, progress=False)
         drawn = [(p, s) for p, group in enumerate(groups) for s in group]

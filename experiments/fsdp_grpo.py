@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from rla_lib import distributed, grpo, task
-from rla_lib.align import REGIONS, align
+from rla_lib.align import REGIONS
+from rla_lib.sides import align_config
 from rla_lib.grpo import GRPOConfig, Policy
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.paths import RESULTS_DIR, ROOT, atomic_write
@@ -74,7 +75,7 @@ def run_fsdp(cfg: GRPOConfig, batch: dict, rank: int, world_size: int) -> dict:
     model = load_model(cfg.model, dtype="float32")
     model.train()
     if cfg.regions:
-        align(model, cfg.regions, **cfg.align_options)
+        align_config(model, cfg.regions, cfg.align_options)
     distributed.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     mine = rows(batch, distributed.local_rows(len(batch["ids"]), rank, world_size))

@@ -68,7 +68,7 @@ def run_arm(arm: str, engine: Engine, opts, out_dir: str) -> tuple[pd.DataFrame,
     rows = [h for h in trainer.state.log_history if "mismatch/k1" in h]
     alignment = current(model)
     df = pd.DataFrame({"arm": arm, "training side": side, "positions": positions,
-                       "regions": "+".join(alignment[0]) if alignment else "none", "step": [h["step"] for h in rows],
+                       "regions": "+".join(alignment.schedule.regions()) if alignment else "none", "step": [h["step"] for h in rows],
                        **{k: [h.get(k) for h in rows] for k in MISMATCH + SAMPLING + ["reward"]}})
     return df, [digest for _, digest in trainer.rollout_digests]
 

@@ -15,7 +15,7 @@ import importlib
 # `align` itself is not among them: `rla_lib.align` is the module (`from rla_lib.align import align`)
 
 _EXPORTS = {
-    "aligned": "align", "current": "align", "AlignOptions": "align", "REGIONS": "align",
+    "aligned": "align", "current": "align", "Schedule": "align", "preset": "align", "REGIONS": "align",
     "ALL_REGIONS": "align",
     "align_to_engine": "engine_align", "engine_schedule_for": "engine_align", "exactness": "engine_align",
     "Engine": "engine",

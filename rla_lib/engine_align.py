@@ -24,8 +24,8 @@ import torch
 
 from . import kl, sides, task
 from . import align as fix
-from .align import AlignOptions, align, refuse_if_aligned, unalign
-from .align.attention import VLLM_CPU_BUILDS
+from .align import refuse_if_aligned, unalign
+from .align.attention import KERNELS, VLLM_CPU_BUILDS
 from .align.schedule import load_schedule, save_schedule, schedule_to_align_kwargs
 from .engine import Engine
 from .graphs import GRAPHS_DIR, read_sides, schedule
@@ -33,7 +33,7 @@ from .machine import machine_key, vllm_cpu_attention_kernel
 from .models import load_model, resolve_model
 from .scoring import token_logprobs
 
-ATTENTION_NUMERICS = AlignOptions.CHOICES["attention"]
+ATTENTION_NUMERICS = tuple(KERNELS)
 
 
 def probe_sequences(engine: Engine, n: int = 64, max_tokens: int = 32, seed: int = 0) -> list[list[int]]:
@@ -59,7 +59,7 @@ def probe_attention(engine: Engine, model, regions, options: dict, sequences, ca
     engine_lp = np.concatenate([e.token_logprobs for e in engine_scores])
     distance, bitwise = {}, {}
     for numerics in candidates:
-        handle = align(model, (*regions, "attention"), **(options | {"attention": numerics}))
+        handle = sides.align_config(model, (*regions, "attention"), options | {"attention": numerics})
         try:
             training = token_logprobs(model, sequences, full_vocab=full)
         finally:
@@ -198,7 +198,7 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
 def align_to_engine(model, source, replace: bool = False, **schedule_kwargs):
     """`rla_lib.align.align_to_engine`, where `source` may also be a running `Engine`: its schedule is read from its code
     and its attention numerics probed on `model` (stock for the probe; `schedule_kwargs` go to `engine_schedule`).
-    `exactness(handle.schedule)` says how exact it was on the probe."""
+    `exactness(handle.engine_schedule)` says how exact it was on the probe."""
     refuse_if_aligned(model, replace)
     if isinstance(source, Engine):
         unalign(model)

@@ -48,7 +48,7 @@ import pandas as pd
 import torch
 
 from . import native, task
-from .align import align
+from .sides import align_config
 from .align.monitor import TIS_CAP, MismatchMeter, mismatch_summary
 from .engine import Engine
 from .kl import UNIT
@@ -171,7 +171,7 @@ class Policy:
             use_fp32_row_blocks(self.master)  # a row's bits independent of its batch, as the fast step needs
         self.compute.train()
         if cfg.regions:
-            align(self.compute, cfg.regions, **cfg.align_options)
+            align_config(self.compute, cfg.regions, cfg.align_options)
         # torch's for-loop AdamW's bits in fewer passes over memory (benchmarks/adamw_step.py)
         self.opt = native.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
 

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from . import kl, sides, task
-from .align import REGIONS, align
+from .align import REGIONS
 from .engine import Engine, default_context
 from .exact_kl import exact_kl
 from .machine import machine
@@ -42,7 +42,7 @@ from .models import load_model, load_tokenizer, resolve_model
 from .paths import RESULTS_DIR
 from .progress import bar
 from .prompts import check_room, prompt_ids
-from .sides import all_configs, canonical_config, config_name
+from .sides import align_config, all_configs, canonical_config, config_name
 from .scoring import token_logprobs
 
 # Default sizes for a trustworthy headline: many distinct prompts (the whole held-out split, the
@@ -127,7 +127,7 @@ def _score_training_sides(run, model, scorers: dict, folder, full, temperature, 
         def score(run, side):
             if dtype not in loaded:
                 loaded[dtype] = load_model(model, dtype=dtype)
-            handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
+            handle = align_config(loaded[dtype], tuple(regions), options) if dtype == "bfloat16" else None
             try:
                 score_training_side(run, loaded[dtype], side, full, temperature)
             finally:
@@ -152,7 +152,7 @@ def _exact_at_large_vocab(run, model, mode, engine, scorers: dict, folder, tempe
                 hidden = engine().prompt_hidden(run.sequences, progress)
             if dtype not in loaded:
                 loaded[dtype] = load_model(model, dtype=dtype)
-            handle = align(loaded[dtype], tuple(regions), **options) if dtype == "bfloat16" else None
+            handle = align_config(loaded[dtype], tuple(regions), options) if dtype == "bfloat16" else None
             try:
                 res = exact_kl(engine(), loaded[dtype], run.sequences, run.starts, temperature=temperature,
                                engine_hidden=hidden)

@@ -5,15 +5,17 @@
 - `hf:fp32`: Transformers in FP32 (`FP32`), the zero-mismatch reference;
 - `hf:compiled`: torch.compile of stock BF16 Transformers (`HF_COMPILED`), a third "engine" read by rla_lib.graphs.
 
-A training configuration (regions and `rla_lib.align` options) is named once too (`config_name`): options that act
-on none of its regions are left out, so two configurations that score alike share a name and a cache file.
+A training configuration (regions and the schedule details of `rla_lib.align.schedule.DETAILS`, plus `fused`) is named
+once too (`config_name`): details that act on none of its regions are left out, so two configurations that score alike
+share a name and a cache file. `schedule_of` turns one into what `align` applies.
 
 Keys are built here and never parsed back; display labels are made from them, not the other way round.
 """
 
 from itertools import combinations
 
-from .align import ALL_REGIONS, REGIONS, AlignOptions
+from .align import ALL_REGIONS, REGIONS, Alignment, Schedule, align
+from .align.schedule import DETAILS, schedule_from_options
 
 STOCK = "hf:bf16:none"
 FP32 = "hf:fp32"
@@ -28,11 +30,12 @@ def training(config: str = "none") -> str:
     return f"hf:bf16:{config}"
 
 
-# Which regions each rla_lib.align option acts on (an option is inert without its regions): two
-# configurations that differ only in inert options score identically, so they share a name and a cache file.
-OPTION_REGIONS = {"rope_cos_sin": ("rope",), "rope_qk_norm": ("rope",), "rope_rounding": ("rope",), "norm_weight": ("residual_norm",),
-                  "residual_stream": ("residual_norm",), "fused": ("rope", "swiglu"), "attention": ("attention",),
-                  "rms_sum": ("rope", "residual_norm")}
+# Which regions each option acts on (an option is inert without its regions): two configurations that differ only in
+# inert options score identically, so they share a name and a cache file. `fused` is how the schedule runs, not where
+# it rounds (same bits), but runs are named with it.
+OPTION_REGIONS = {name: region if isinstance(region, tuple) else (region,) for name, (_, _, region) in DETAILS.items()}
+OPTION_REGIONS["fused"] = ("rope", "swiglu")
+_DEFAULTS = {name: default for name, (default, _, _) in DETAILS.items()} | {"fused": False}
 
 
 def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:
@@ -41,10 +44,21 @@ def canonical_config(regions, options=None) -> tuple[tuple[str, ...], dict]:
     unknown = sorted(set(regions) - set(ALL_REGIONS)) + sorted(set(options or {}) - set(OPTION_REGIONS))
     if unknown:
         raise ValueError(f"unknown region(s) or option(s) {unknown}")
-    defaults = AlignOptions()
-    kept = {k: v for k, v in sorted((options or {}).items())
-            if v != getattr(defaults, k) and set(OPTION_REGIONS[k]) & set(regions)}
+    kept = {k: v for k, v in sorted((options or {}).items()) if v != _DEFAULTS[k] and set(OPTION_REGIONS[k]) & set(regions)}
     return tuple(r for r in ALL_REGIONS if r in regions), kept
+
+
+def schedule_of(regions, options=None) -> tuple[Schedule, bool]:
+    """A configuration's (`Schedule`, fused), as `align` takes them."""
+    options = dict(options or {})
+    fused = options.pop("fused", False)
+    return schedule_from_options(regions, **options), fused
+
+
+def align_config(model, regions, options=None, **kwargs) -> Alignment:
+    """`align(model, ...)` for a configuration (regions, options); `kwargs` as `align` takes them."""
+    applied, fused = schedule_of(regions, options)
+    return align(model, applied, fused=fused, **kwargs)
 
 
 def config_name(regions, **options) -> str:

@@ -58,7 +58,7 @@ def aligned_and_back(model, ids) -> dict:
     with torch.no_grad():
         stock = model(ids).logits
         handle = align(model, REGIONS)
-        assert current(model)[0] == REGIONS
+        assert current(model).schedule.regions() == REGIONS
         aligned = model(ids).logits
         handle.undo()
         again = model(ids).logits

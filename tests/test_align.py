@@ -5,6 +5,8 @@ The references below are written from the region definitions, independently of r
 reproduce stock Transformers bit for bit when no region is on.
 """
 
+import contextlib
+import dataclasses
 import inspect
 import re
 import sys
@@ -25,6 +27,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from rla_lib import align as rla
+from rla_lib import sides
 from rla_lib.align import versions as align_versions
 from rla_lib.align.modeling_qwen import FusedSwiGLU
 from rla_lib.paths import ROOT
@@ -53,6 +56,14 @@ PAPER_OPTIONS = {
     "rms_sum": "torch",  # Transformers' own Σx² order
 }  # fmt: skip
 REGION_CASES = [("rope",), ("swiglu",), ("residual_norm",), rla.REGIONS]
+
+
+@contextlib.contextmanager
+def aligned_options(model, regions=rla.REGIONS, **options):
+    """`rla.aligned` for a configuration named as tables name it: regions and schedule details (`sides.schedule_of`)."""
+    schedule, fused = sides.schedule_of(regions, options)
+    with rla.aligned(model, schedule, fused=fused) as handle:
+        yield handle
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -253,7 +264,7 @@ def test_fp32_model_is_bitwise_unchanged(family, attn, options):
     input_ids, mask = batch()
     stock = logits(model, input_ids, mask, use_cache=True)
     stock_ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    with rla.aligned(model, **options):
+    with aligned_options(model, **options):
         assert torch.equal(logits(model, input_ids, mask, use_cache=True), stock)
         ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert torch.equal(ids, stock_ids)
@@ -304,7 +315,8 @@ def case_id(case):
 
 
 def test_default_options_are_the_papers():
-    assert rla.AlignOptions().__dict__ == PAPER_OPTIONS
+    assert sides.schedule_of(rla.REGIONS, PAPER_OPTIONS) == (rla.preset(*rla.REGIONS), False)
+    assert sides.schedule_of(rla.REGIONS) == (rla.align(build(), replace=True).schedule, False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -314,7 +326,7 @@ def test_aligned_model_matches_reference(family, case):
     model = build(family)
     input_ids, _ = batch()
     expected = reference_logits(model, input_ids, regions, **options)
-    with rla.aligned(model, regions, **options):
+    with aligned_options(model, regions, **options):
         assert torch.equal(logits(model, input_ids), expected)
 
 
@@ -326,7 +338,7 @@ def test_rope_uses_fp32_frequencies_after_model_to_bf16():
     input_ids, _ = batch()
     stock = logits(model, input_ids)
     for options in ({}, {"rope_cos_sin": "bf16"}):
-        with rla.aligned(model, "rope", **options):
+        with aligned_options(model, "rope", **options):
             assert torch.equal(logits(model, input_ids), reference_logits(model, input_ids, ("rope",), **options))
         assert rotary.inv_freq is bf16_buffers[0] and rotary.original_inv_freq is bf16_buffers[1]
     assert torch.equal(logits(model, input_ids), stock)
@@ -337,7 +349,7 @@ def test_options_of_disabled_regions_have_no_effect():
     input_ids, mask = batch()
     with rla.aligned(model, "swiglu"):
         expected = logits(model, input_ids, mask)
-    with rla.aligned(model, "swiglu", **OPTION_CASES[-1]):
+    with aligned_options(model, "swiglu", **OPTION_CASES[-1]):
         assert torch.equal(logits(model, input_ids, mask), expected)
 
 
@@ -379,7 +391,7 @@ def test_rotated_qk_are_fp32_rounded_once(family, options, monkeypatch):
         return stock_attention(module, query, key, *args, **kwargs)
 
     input_ids, _ = batch()
-    with rla.aligned(model, "rope", **options):
+    with aligned_options(model, "rope", **options):
         monkeypatch.setattr(modeling, "eager_attention_forward", capture)  # after align, whose source guard reads it
         logits(model, input_ids)
 
@@ -419,7 +431,7 @@ def test_residual_norms_read_the_unrounded_sum(family, options):
         layer.register_forward_hook(lambda m, a, o, i=i: seen.update({("out", i): o}))
     base.norm.register_forward_hook(lambda m, a, o: seen.update(final=o))
     input_ids, mask = batch()
-    with rla.aligned(model, "residual_norm", **options):
+    with aligned_options(model, "residual_norm", **options):
         logits(model, input_ids, mask)
 
     weight_mode = options.get("norm_weight", "stock")
@@ -473,7 +485,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
         if checkpointing:
             model.gradient_checkpointing_enable()
         input_ids, mask = batch()
-        with rla.aligned(model, residual_stream="fp32"):
+        with aligned_options(model, residual_stream="fp32"):
             model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss.backward()
         return [p.grad for p in model.parameters()]
 
@@ -536,16 +548,16 @@ def test_realign_is_refused_unless_asked_to_replace_and_undo_restores():
     model = build()
     input_ids, mask = batch()
     stock = logits(model, input_ids, mask)
-    with rla.aligned(model, "swiglu", norm_weight="fp32"):
+    with aligned_options(model, "swiglu", norm_weight="fp32"):
         only_swiglu = logits(model, input_ids, mask)
 
     first = rla.align(model, ("rope", "residual_norm"))
-    with pytest.raises(ValueError, match=r"already aligned \(regions \('rope', 'residual_norm'\), options default\).*replace=True"):
-        rla.align(model, ["swiglu"], norm_weight="fp32")
+    with pytest.raises(ValueError, match=r"already aligned \(keep q_norm.rsqrt, .*residual_attn, .*replace=True"):
+        rla.align(model, ["swiglu"])
     assert first.active  # refused: the model keeps its alignment
-    second = rla.align(model, ["swiglu"], replace=True, norm_weight="fp32")
-    assert (second.regions, second.options) == (("swiglu",), rla.AlignOptions(norm_weight="fp32"))
-    assert rla.current(model) == (second.regions, second.options)
+    second = rla.align(model, ["swiglu"], replace=True)
+    assert second.schedule == rla.Schedule(keep={"silu"}) == rla.preset("swiglu") and not second.fused
+    assert rla.current(model) is second
     assert not first.active and second.active
     assert torch.equal(logits(model, input_ids, mask), only_swiglu)
     first.undo()  # replaced already: no-op
@@ -567,11 +579,11 @@ def test_context_manager_restores_on_exception_and_nesting():
     assert rla.current(model) is None
     assert torch.equal(logits(model, input_ids, mask), stock)
 
-    with rla.aligned(model, "rope", rope_cos_sin="bf16") as outer:
+    with aligned_options(model, "rope", rope_cos_sin="bf16") as outer:
         rope_only = logits(model, input_ids, mask)
         with rla.aligned(model, rla.REGIONS):
-            assert rla.current(model)[0] == rla.REGIONS
-        assert rla.current(model) == (("rope",), outer.options)
+            assert rla.current(model).schedule.regions() == rla.REGIONS
+        assert rla.current(model).schedule == outer.schedule and "rope.cos_sin" not in outer.schedule.keep
         assert torch.equal(logits(model, input_ids, mask), rope_only)
     assert rla.current(model) is None
 
@@ -580,7 +592,7 @@ def test_base_model_and_causal_lm_share_one_alignment():
     model = build()
     input_ids, mask = batch()
     handle = rla.align(model.model, "swiglu")
-    assert rla.current(model) == (("swiglu",), rla.AlignOptions())
+    assert rla.current(model) is handle and handle.schedule == rla.preset("swiglu")
     with pytest.raises(ValueError, match="already aligned"):  # the same model, reached through its causal LM
         rla.align(model, "rope")
     rla.align(model, "rope", replace=True)
@@ -613,10 +625,47 @@ def test_unknown_region():
 def test_bad_and_unknown_option():
     model = build()
     with pytest.raises(ValueError, match="rope_cos_sin='fp16' is not valid; allowed values: 'fp32', 'bf16'"):
-        rla.align(model, rope_cos_sin="fp16")
-    with pytest.raises(ValueError, match="unknown alignment option.*rope_cos"):
-        rla.align(model, rope_cos="bf16")
+        rla.schedule_from_options(rla.REGIONS, rope_cos_sin="fp16")
+    with pytest.raises(ValueError, match="unknown schedule detail.*rope_cos"):
+        rla.schedule_from_options(rla.REGIONS, rope_cos="bf16")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rope_cos_sin'"):
+        rla.align(model, rope_cos_sin="bf16")
+    with pytest.raises(ValueError, match=r"fused=1: True or False"):
+        rla.align(model, fused=1)
     assert rla.current(model) is None
+
+
+def test_schedule_refuses_what_the_layer_cannot_keep():
+    with pytest.raises(ValueError, match=r"cannot keep \['swiglu'\] in FP32; points it can keep: input_norm.rsqrt"):
+        rla.Schedule(keep={"swiglu"})  # the input of down_proj, a BF16 GEMM
+    with pytest.raises(ValueError, match=r"cannot truncate \['silu'\]"):
+        rla.Schedule(keep={"silu"}, truncate={"silu"})
+    with pytest.raises(ValueError, match="needs the RoPE products kept"):
+        rla.Schedule(truncate={"rope.q_sum", "rope.k_sum"})
+    with pytest.raises(ValueError, match="FP32 cos/sin need the RoPE products kept"):
+        rla.Schedule(keep={"rope.cos_sin"})
+    with pytest.raises(ValueError, match="attention='sdpa' is not valid; allowed values: 'fp32', 'flash'"):
+        rla.Schedule(attention="sdpa")
+    with pytest.raises(ValueError, match="unknown region.*'ropes'"):
+        rla.preset("ropes")
+
+
+def test_a_schedule_is_its_points():
+    """Any set of keepable points is a schedule; the presets are sets of points, and the lab's detail names are too."""
+    rope = rla.preset("rope")
+    assert rope.regions() == ("rope",) and rla.preset(*rla.ALL_REGIONS).regions() == rla.ALL_REGIONS
+    assert rla.schedule_from_options("rope", rope_cos_sin="bf16") == dataclasses.replace(rope, keep=rope.keep - {"rope.cos_sin"})
+    assert rla.schedule_from_options("swiglu", norm_weight="fp32") == rla.preset("swiglu")  # a detail of a region that is off
+    engine = rla.schedule_from_options(rla.REGIONS, norm_weight="fp32", residual_stream="fp32", rope_rounding="truncate")
+    assert engine.keep - rla.preset(*rla.REGIONS).keep == {"input_norm.rsqrt", "post_norm.rsqrt", "final_norm.rsqrt",
+                                                            "residual_stream"}
+    assert engine.truncate == {"rope.q_sum", "rope.k_sum"}
+    model = build()
+    input_ids, mask = batch()
+    with rla.aligned(model, rla.Schedule(keep={"silu"})):  # a schedule written as points: the preset's bits
+        by_points = logits(model, input_ids, mask)
+    with rla.aligned(model, "swiglu"):
+        assert torch.equal(logits(model, input_ids, mask), by_points)
 
 
 def test_unsupported_architecture_and_dtype():
@@ -709,7 +758,7 @@ def test_truncated_rope_trains(family):
     parameter gets a finite gradient, the projections before the rotary a non-zero one."""
     model = build(family).train()
     input_ids, mask = batch()
-    with rla.aligned(model, ("rope",), **EAGER_TRUNCATING):
+    with aligned_options(model, ("rope",), **EAGER_TRUNCATING):
         loss = model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss
         loss.backward()
         grads = [p.grad for p in model.parameters()]

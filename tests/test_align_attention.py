@@ -7,7 +7,7 @@ the notebook did before this region existed), and an FP64 evaluation of each ker
 
 import pytest
 import torch
-from test_align import BF16, FAMILIES, batch, build, logits, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from test_align import aligned_options, BF16, FAMILIES, batch, build, logits, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -47,12 +47,12 @@ def test_region_off_and_undo_are_bitwise_stock(family):
     stock = logits(model, input_ids, mask, use_cache=True)
     with rla.aligned(model, rla.REGIONS):
         paper = logits(model, input_ids, mask, use_cache=True)
-    with rla.aligned(model, rla.REGIONS, attention="p_bf16"):  # the option of a region that is off
+    with aligned_options(model, rla.REGIONS, attention="p_bf16"):  # the option of a region that is off
         assert torch.equal(logits(model, input_ids, mask, use_cache=True), paper)
-    with rla.aligned(model, (), attention="eager"):
+    with aligned_options(model, (), attention="eager"):
         assert torch.equal(logits(model, input_ids, mask, use_cache=True), stock)
     for kernel in KERNELS:
-        handle = rla.align(model, ("rope", "attention"), attention=kernel)
+        handle = rla.align(model, rla.Schedule(rla.preset("rope").keep, attention=kernel))
         assert not torch.equal(logits(model, input_ids, mask, use_cache=True), stock)
         handle.undo()
         assert torch.equal(logits(model, input_ids, mask, use_cache=True), stock)
@@ -80,12 +80,12 @@ def test_per_instance_and_nothing_registered_globally():
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_eager_kernel_on_an_sdpa_model_is_the_eager_model(family, case):
     sdpa_model, eager_model, input_ids, mask = models_and_batch(family, case)
-    with rla.aligned(sdpa_model, "attention", attention="eager"):
+    with aligned_options(sdpa_model, "attention", attention="eager"):
         assert torch.equal(logits(sdpa_model, input_ids, mask), logits(eager_model, input_ids, mask))
     # Composed with the other regions and engine options
     options = dict(rope_cos_sin="bf16", norm_weight="fp32", residual_stream="fp32")
-    with rla.aligned(sdpa_model, rla.ALL_REGIONS, attention="eager", **options):
-        with rla.aligned(eager_model, rla.REGIONS, **options):
+    with aligned_options(sdpa_model, rla.ALL_REGIONS, attention="eager", **options):
+        with aligned_options(eager_model, rla.REGIONS, **options):
             assert torch.equal(logits(sdpa_model, input_ids, mask), logits(eager_model, input_ids, mask))
 
 
@@ -112,7 +112,7 @@ def assert_generates_alike(sdpa_model, eager_model, input_ids, **kwargs):
     """Greedy generation of the sdpa model with the eager kernel equals the eager model's: tokens and logits, bitwise."""
     kwargs |= dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     expected = eager_model.generate(input_ids, **kwargs)
-    with rla.aligned(sdpa_model, "attention", attention="eager"):
+    with aligned_options(sdpa_model, "attention", attention="eager"):
         out = sdpa_model.generate(input_ids, **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits, strict=True))
@@ -152,9 +152,9 @@ def test_engine_kernels_are_notebook_02s_variants(family, kernel, case, monkeypa
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, "notebook_02", eager_mask)
     sdpa_model, _, input_ids, mask = models_and_batch(family, case)
     variant_model = build(family, attn="notebook_02", **(SLIDING if case == "sliding-window" else {}))
-    with rla.aligned(sdpa_model, "attention", attention=kernel):
+    with aligned_options(sdpa_model, "attention", attention=kernel):
         assert torch.equal(logits(sdpa_model, input_ids, mask), logits(variant_model, input_ids, mask))
-    with rla.aligned(sdpa_model, rla.ALL_REGIONS, attention=kernel), rla.aligned(variant_model, rla.REGIONS):
+    with aligned_options(sdpa_model, rla.ALL_REGIONS, attention=kernel), rla.aligned(variant_model, rla.REGIONS):
         assert torch.equal(logits(sdpa_model, input_ids, mask), logits(variant_model, input_ids, mask))
         # Decoding from the cache
         kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -287,7 +287,7 @@ def test_vllm_cpu_and_rms_sum_keep_their_bits_under_autograd(family):
     model = build(family, attn="sdpa")
     input_ids, mask = batch(pad_right=False)
     options = dict(attention="vllm_cpu", rms_sum="vec2x16", residual_stream="fp32", norm_weight="fp32")
-    with rla.aligned(model, rla.ALL_REGIONS, **options):
+    with aligned_options(model, rla.ALL_REGIONS, **options):
         expected = logits(model, input_ids, mask)
         model.train()
         out = model(input_ids=input_ids, attention_mask=mask, labels=input_ids)
@@ -329,7 +329,7 @@ def test_fp32_model_forward_backward_equal_eager_bitwise(family, kernel):
     def run(model, regions):
         model.train()
         input_ids, mask = batch(pad_right=False)
-        with rla.aligned(model, regions, attention=kernel):
+        with aligned_options(model, regions, attention=kernel):
             out = model(input_ids=input_ids, attention_mask=mask, labels=input_ids, output_attentions=True)
             out.loss.backward()
         return [out.logits, *out.attentions, *(p.grad for p in model.parameters())]
@@ -344,7 +344,7 @@ def test_fp32_model_forward_backward_equal_eager_bitwise(family, kernel):
 def test_training_step_with_aligned_attention(family, kernel):
     model = build(family, attn="sdpa").train()
     input_ids, mask = batch(pad_right=False)
-    with rla.aligned(model, rla.ALL_REGIONS, attention=kernel):
+    with aligned_options(model, rla.ALL_REGIONS, attention=kernel):
         loss = model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss
         loss.backward()
     assert torch.isfinite(loss)
@@ -369,7 +369,7 @@ def test_attention_dropout_is_refused():
 
 def test_bad_option_and_unreadable_masks():
     with pytest.raises(ValueError, match="attention='sdpa' is not valid; allowed values: 'fp32', 'flash', 'p_bf16', 'eager'"):
-        rla.align(build(), "attention", attention="sdpa")
+        rla.align(build(), rla.Schedule(attention="sdpa"))
     module, (q, k, v), _, _ = attention_inputs("qwen3")
     padding_2d = torch.ones(3, 10, dtype=torch.long)  # what flash-attention implementations are given
     for kernel in KERNEL_FUNCTIONS.values():

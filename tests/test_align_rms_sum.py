@@ -48,7 +48,7 @@ def test_schedule_reads_each_norms_sum_from_the_cpu_code():
     ids = torch.tensor([[1, 2, 3, 11, 4, 5, 14]])
     with torch.no_grad():
         stock = model(input_ids=ids).logits
-        with rla.aligned(model, ("rope", "residual_norm"), **options):
+        with rla.aligned(model, rla.schedule_from_options(("rope", "residual_norm"), **options)):
             aligned = model(input_ids=ids).logits
         assert torch.equal(model(input_ids=ids).logits, stock)  # undone
     assert not torch.equal(aligned, stock)
@@ -61,11 +61,11 @@ def test_rms_sum_spec_round_trip_and_errors():
     assert rms_sum_spec({k: ["vec2x8"] * len(v) for k, v in sums.items()}) == "vec2x8"
     assert rms_sum_layouts("vec1x8", 3)["post_norm"] == ["vec1x8"] * 3
     with pytest.raises(ValueError, match="unknown layout"):
-        rla.AlignOptions(rms_sum="post_norm=vec3x16")
+        rla.Schedule(rms_sum="post_norm=vec3x16")
     with pytest.raises(ValueError, match="kinds: input_norm"):
-        rla.AlignOptions(rms_sum="mlp_norm=vec2x16")
+        rla.Schedule(rms_sum="mlp_norm=vec2x16")
     with pytest.raises(ValueError, match="3 input_norm layouts for a model with 4"):
-        rla.align(load_model("qwen3-tiny"), ("residual_norm",), rms_sum="input_norm=vec2x16,vec2x16,vec1x16")
+        rla.align(load_model("qwen3-tiny"), rla.schedule_from_options(("residual_norm",), rms_sum="input_norm=vec2x16,vec2x16,vec1x16"))
 
 
 def test_straight_through_keeps_the_bits_and_passes_the_gradient():

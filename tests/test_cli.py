@@ -62,7 +62,7 @@ def test_schedule_of_a_running_engine_is_what_align_to_engine_applies(compiled_e
     if kernel_numerics():  # vLLM-CPU on x86: the kernel's numerics, and the probe's verdict printed
         assert sched["attention"]["numerics"] == kernel_numerics() and exactness(sched) in printed
     handle = align_to_engine(load_model("qwen3-tiny"), out)
-    assert handle.schedule == sched
+    assert handle.engine_schedule == sched
     handle.undo()
 
 

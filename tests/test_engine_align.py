@@ -6,7 +6,7 @@ import torch
 
 from rla_lib.align.schedule import save_schedule, schedule_to_align_kwargs
 from rla_lib import graphs
-from rla_lib.align import current
+from rla_lib.align import current, schedule_from_options
 from rla_lib import task
 from rla_lib.engine_align import (ATTENTION_NUMERICS, align_to_engine, cos_sin_equal, exactness, kernel_numerics,
                                   probe_attention, probe_sequences, with_attention)
@@ -40,7 +40,7 @@ def test_align_to_engine_from_a_schedule_dict_and_file(tmp_path):
     sched = compiled_schedule("fp32")
     handle = align_to_engine(model, sched)
     regions, options = schedule_to_align_kwargs(sched)
-    assert current(model)[0] == regions and current(model)[1].attention == "fp32"
+    assert current(model).schedule == schedule_from_options(regions, **options) and handle.schedule.attention == "fp32"
     aligned = logits(model)
     handle.undo()
     assert torch.equal(logits(model), stock) and not torch.equal(aligned, stock)
@@ -86,8 +86,8 @@ def test_aligned_to_the_running_engine_is_exact_on_prompts_the_probe_did_not_see
     model = load_model("qwen3-tiny")
     handle = align_to_engine(model, compiled_engine, n_sequences=16)
     try:
-        assert handle.schedule["attention"]["numerics"] == kernel_numerics()
-        report = exactness(handle.schedule)
+        assert handle.engine_schedule["attention"]["numerics"] == kernel_numerics()
+        report = exactness(handle.engine_schedule)
         prompts = [p.prompt for p in task.load_split()[64:80]]  # the probe took the first 16
         samples = [s for g in compiled_engine.sample(prompts, n=2, max_tokens=24, seed=7, full=True) for s in g]
         rescored = compiled_engine.score([s.ids for s in samples], full_vocab=True)

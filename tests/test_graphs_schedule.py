@@ -4,7 +4,8 @@ import pytest
 
 from rla_lib.align.schedule import ScheduleFileError, load_schedule, save_schedule, schedule_to_align_kwargs
 from rla_lib import graphs
-from rla_lib.align import REGIONS, AlignOptions, current
+from rla_lib.align import REGIONS, current, schedule_from_options
+from rla_lib.align.modeling_qwen import QK_NORM
 from rla_lib.engine_align import align_to_engine
 from rla_lib.models import load_model
 from test_graphs_inductor import CPU_CODE
@@ -12,14 +13,9 @@ from test_graphs_reader import tiny
 
 
 def effective(regions, options, family):
-    """The settings that matter: options of enabled regions only (Qwen2 has no Q/K norm)."""
-    opts = AlignOptions(**options)
-    keep = set()
-    if "rope" in regions:
-        keep |= {"rope_cos_sin"} | ({"rope_qk_norm"} if family == "qwen3" else set())
-    if "residual_norm" in regions:
-        keep |= {"norm_weight", "residual_stream"}
-    return tuple(r for r in REGIONS if r in regions), {k: getattr(opts, k) for k in sorted(keep)}
+    """The points kept that matter (Qwen2 has no Q/K norm; the sum order is tested in tests/test_align_rms_sum.py)."""
+    keep = schedule_from_options(regions, **{k: v for k, v in options.items() if k != "rms_sum"}).keep
+    return keep - set(QK_NORM) if family == "qwen2" else keep
 
 
 def test_schedule_json_roundtrip_and_apply(tmp_path):
@@ -35,7 +31,7 @@ def test_schedule_json_roundtrip_and_apply(tmp_path):
     options["rms_sum"] = sums
     model = load_model("qwen3-tiny")
     handle = align_to_engine(model, loaded)
-    assert current(model) == (regions, AlignOptions(**options))
+    assert current(model).schedule == schedule_from_options(regions, **options) == handle.schedule
     handle.undo()
     assert current(model) is None
     with pytest.raises(ScheduleFileError):

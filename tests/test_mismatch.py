@@ -84,9 +84,15 @@ def test_config_names_carry_only_options_that_act():
     assert sides.config_name(("rope",), rope_cos_sin="fp32") == "rope"  # the default
     paper = sides.paper_configs()
     assert len(paper) == 12 and paper["rope+swiglu+residual_norm|rope_cos_sin=bf16"][1] == {"rope_cos_sin": "bf16"}
-    from rla_lib.align import AlignOptions
-
-    assert set(sides.OPTION_REGIONS) == set(AlignOptions.CHOICES)  # every option's regions are known
+    other = {"rope_cos_sin": "bf16", "rope_qk_norm": "stock", "rope_rounding": "truncate", "norm_weight": "fp32",
+             "residual_stream": "fp32", "fused": True, "attention": "flash", "rms_sum": "vec2x16"}
+    assert set(other) == set(sides.OPTION_REGIONS)
+    for name, value in other.items():  # each option, in its regions, changes what `align` is given; outside, nothing
+        regions = sides.OPTION_REGIONS[name]
+        assert sides.schedule_of(regions, {name: value}) != sides.schedule_of(regions), name
+        rest = tuple(r for r in sides.ALL_REGIONS if r not in regions)
+        if name != "fused":
+            assert sides.schedule_of(rest, {name: value}) == sides.schedule_of(rest), name
 
 
 def test_standard_sizes_are_the_measure_defaults():

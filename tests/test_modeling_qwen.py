@@ -10,23 +10,23 @@ import torch
 
 from rla_lib import align as rla
 from rla_lib.align.attention import truncate_to_bf16
-from rla_lib.align.modeling_qwen import FINAL_POINTS, POINTS, ROUNDING_POINTS, rounding_policy
+from rla_lib.align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_POINTS, POINTS, ROUNDING_POINTS
 from test_align import batch, build, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 MATMULS = {p.name for p in ROUNDING_POINTS if not p.exact}  # recomputed in FP32: not the kernel's own sum
 CASES = {
-    "stock": ((), {}),
-    "rope": (("rope",), {}),
-    "rope, stock Q/K norm, truncated": (("rope",), dict(rope_qk_norm="stock", rope_rounding="truncate")),
-    "swiglu": (("swiglu",), {}),
-    "residual_norm, FP32 weight": (("residual_norm",), dict(norm_weight="fp32", residual_stream="fp32")),
-    "the paper's three": (rla.REGIONS, {}),
+    "stock": rla.Schedule(),
+    "rope": rla.preset("rope"),
+    "rope, stock Q/K norm, truncated": rla.schedule_from_options(("rope",), rope_qk_norm="stock", rope_rounding="truncate"),
+    "swiglu": rla.preset("swiglu"),
+    "residual_norm, FP32 weight": rla.schedule_from_options(("residual_norm",), norm_weight="fp32", residual_stream="fp32"),
+    "the paper's three": rla.preset(*rla.REGIONS),
 }
 
 
-def logits(model, **align_kwargs):
+def logits(model, schedule=None, **align_kwargs):
     ids, mask = batch()
-    handle = rla.align(model, **align_kwargs) if align_kwargs else None
+    handle = rla.align(model, schedule, **align_kwargs) if schedule is not None else None
     try:
         with torch.no_grad():
             return model(input_ids=ids, attention_mask=mask).logits
@@ -38,9 +38,9 @@ def logits(model, **align_kwargs):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_region_rounds_at_every_point_but_those_it_keeps(arch, case, attn):
-    regions, options = CASES[case]
+    schedule = CASES[case]
     model = build(arch, attn=attn)
-    policy = rounding_policy(regions, rla.AlignOptions(**options))
+    policy = schedule.rounding()
     seen: dict = {}
 
     def record(point, layer, fp32, rounded):
@@ -50,8 +50,8 @@ def test_a_region_rounds_at_every_point_but_those_it_keeps(arch, case, attn):
             assert torch.equal(expected, rounded), (point, layer)
         seen.setdefault(layer, set()).add(point)
 
-    recorded = logits(model, regions=regions, record=record, **options)
-    assert torch.equal(recorded, logits(model, regions=regions, **options) if regions else logits(model))
+    recorded = logits(model, schedule, record=record)
+    assert torch.equal(recorded, logits(model, schedule))
     has_qk_norm = arch == "qwen3"
     layer_points = {p for p in POINTS if has_qk_norm or not p.startswith(("q_norm", "k_norm"))}
     assert set(seen) == {0, 1, "final"}
@@ -60,16 +60,17 @@ def test_a_region_rounds_at_every_point_but_those_it_keeps(arch, case, attn):
     assert seen["final"] == set(FINAL_POINTS) - policy.keep
 
 
-def test_the_policy_names_only_points_of_the_layer():
-    every = rounding_policy((*rla.REGIONS, "attention"), rla.AlignOptions(norm_weight="fp32", rope_rounding="truncate"))
-    assert every.keep | every.truncate <= set(POINTS) | set(FINAL_POINTS)
-    assert rounding_policy((), rla.AlignOptions()).keep == frozenset()
+def test_the_policy_names_only_points_of_the_model():
+    every = rla.schedule_from_options(rla.ALL_REGIONS, norm_weight="fp32", residual_stream="fp32", rope_rounding="truncate")
+    carried = {p.name for p in CARRIED_ROUNDING_POINTS}
+    assert every.keep | every.truncate <= set(POINTS) | set(FINAL_POINTS) | carried
+    assert every.keep == set(rla.KEEPABLE) and rla.Schedule().keep == frozenset()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("case", ["stock", "the paper's three"])
 def test_replay_sees_every_rounded_point_and_the_layer_carries_on_with_what_it_returns(arch, case):
-    regions, options = CASES[case]
+    schedule = CASES[case]
     model = build(arch, attn="sdpa")
     seen: dict = {}
 
@@ -77,9 +78,9 @@ def test_replay_sees_every_rounded_point_and_the_layer_carries_on_with_what_it_r
         seen.setdefault(layer, set()).add(point)
         return rounded
 
-    plain = logits(model, regions=regions, **options) if regions else logits(model)
-    assert torch.equal(logits(model, regions=regions, replay=identity, **options), plain)  # replaying itself: stock bits
-    policy = rounding_policy(regions, rla.AlignOptions(**options))
+    plain = logits(model, schedule)
+    assert torch.equal(logits(model, schedule, replay=identity), plain)  # replaying itself: stock bits
+    policy = schedule.rounding()
     layer_points = {p for p in POINTS if arch == "qwen3" or not p.startswith(("q_norm", "k_norm"))}
     assert seen[0] == seen[1] == layer_points - policy.keep and seen["final"] == set(FINAL_POINTS) - policy.keep
 
@@ -91,11 +92,11 @@ def test_replay_sees_every_rounded_point_and_the_layer_carries_on_with_what_it_r
 
     hook = model.model.layers[1].mlp.register_forward_hook(without_last_mlp)
     try:
-        expected = logits(model, regions=regions, **options) if regions else logits(model)
+        expected = logits(model, schedule)
     finally:
         hook.remove()
     assert not torch.equal(expected, plain)
-    assert torch.equal(logits(model, regions=regions, replay=zero_last_mlp, **options), expected)
+    assert torch.equal(logits(model, schedule, replay=zero_last_mlp), expected)
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,9 +18,11 @@ paper's three regions (`REGIONS`), without touching matmuls, attention kernels o
   layers pass FP32 tensors to each other (also what `output_hidden_states` then records); the final
   norm outputs the model dtype for `lm_head`.
 
-Each of the three is a set of the layer's named rounding points (`modeling_qwen.ROUNDING_POINTS`, the one list of
-them) that it keeps in FP32 (`modeling_qwen.rounding_policy`); the layer's ops and forwards are written once, in
-`modeling_qwen`, and bound into the model's modules by `patch`. `align(model, (), record=...)` runs the stock model
+Each of the three is a preset of a `Schedule`, the data `align` applies: the set of the model's named rounding points
+(`modeling_qwen.ROUNDING_POINTS`, the one list of them) it keeps in FP32, those it rounds toward zero, the engine's
+attention kernel and the order its norms sum in. An engine's schedule is read from its code into the same data
+(`align_to_engine`). The layer's ops and forwards are written once, in `modeling_qwen`, and bound into the model's
+modules by `patch`. `align(model, (), record=...)` runs the stock model
 through the same code and reports the FP32 value at every point it rounds (`rla_lib.studies.prerounding`);
 `align(model, regions, replay=...)` feeds every point another value, the engine's own in `rla_lib.studies.op_check`,
 so each op is checked from the engine's inputs.
@@ -33,17 +35,19 @@ sdpa), so padding and sliding windows are kept; it refuses attention dropout (th
 This package is the fix alone, what a trainer takes home: it imports torch, Transformers and numpy, never vLLM, the
 graph reader, pandas or matplotlib (tests/test_layout.py holds it; `make test-install` runs it where none is installed).
 
-- `modeling_qwen`: the Qwen2/Qwen3 decoder layer, ops and forwards, with its rounding points named (`POINTS`);
+- `modeling_qwen`: the Qwen2/Qwen3 decoder layer, ops and forwards, with its rounding points named (`POINTS`), and
+  `Schedule`, where it rounds, with the paper's regions as presets (`preset`);
 - `attention`: the engines' attention numerics (the "attention" region's kernels);
 - `vector_sums`: sums in the order CPU kernels add them (vLLM's attention row sum, inductor's RMSNorm Σx²);
 - `native`: their loops in C (`kernels.c`), built once per machine;
-- `patch`: `align`, its options and `undo`, bound per module instance under the source-hash guard;
+- `patch`: `align` and `undo`, bound per module instance under the source-hash guard;
 - `versions`: the Transformers releases `align` supports and what differs between them;
 - `schedule`: the rounding schedule file an engine's code is read into, and `align_to_engine` applying it;
 - `monitor`: the mismatch metrics any trainer can log (TRL's and verl's names too).
 
     handle = align(model)                                  # all three regions, paper semantics
-    handle = align(model, ("rope",), rope_cos_sin="bf16")
+    handle = align(model, ("rope",))                       # RoPE only (`preset("rope")`)
+    handle = align(model, Schedule(keep={"silu"}), fused=True)  # any set of points, compiled where it can be
     handle = align_to_engine(model, "schedule.json")       # round where the engine rounds (`rla schedule` writes it)
     handle.undo()                                          # stock again, bit for bit
     with aligned(model, ("swiglu",)):
@@ -51,12 +55,13 @@ graph reader, pandas or matplotlib (tests/test_layout.py holds it; `make test-in
     metrics = mismatch_metrics(inference_lp, training_lp, mask)
 """
 
-from .modeling_qwen import FINAL_POINTS, POINTS
+from .modeling_qwen import FINAL_POINTS, KEEPABLE, POINTS, Schedule, preset
 from .monitor import MismatchCallback, MismatchMeter, mismatch_metrics
-from .patch import (ALL_REGIONS, REGIONS, AlignOptions, Alignment, align, aligned, current, refuse_if_aligned,
-                    unalign)
-from .schedule import SCHEDULE_FORMAT, align_to_engine, load_schedule, save_schedule, schedule_to_align_kwargs
+from .patch import ALL_REGIONS, REGIONS, Alignment, align, aligned, current, refuse_if_aligned, unalign
+from .schedule import (SCHEDULE_FORMAT, align_to_engine, load_schedule, save_schedule, schedule_from_file,
+                       schedule_from_options, schedule_to_align_kwargs)
 
-__all__ = ["ALL_REGIONS", "FINAL_POINTS", "POINTS", "REGIONS", "SCHEDULE_FORMAT", "AlignOptions", "Alignment",
-           "MismatchCallback", "MismatchMeter", "align", "align_to_engine", "aligned", "current", "load_schedule",
-           "mismatch_metrics", "refuse_if_aligned", "save_schedule", "schedule_to_align_kwargs", "unalign"]
+__all__ = ["ALL_REGIONS", "FINAL_POINTS", "KEEPABLE", "POINTS", "REGIONS", "SCHEDULE_FORMAT", "Alignment",
+           "MismatchCallback", "MismatchMeter", "Schedule", "align", "align_to_engine", "aligned", "current",
+           "load_schedule", "mismatch_metrics", "preset", "refuse_if_aligned", "save_schedule", "schedule_from_file",
+           "schedule_from_options", "schedule_to_align_kwargs", "unalign"]

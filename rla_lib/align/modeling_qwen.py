@@ -7,7 +7,7 @@ AVX512-BF16 convert) or kept in FP32, and may record the FP32 value just before 
 
 - stock: every point rounded. Where an op's inputs are in the model dtype it runs as Transformers runs it, so the
   forward and the backward are the stock ones, bit for bit;
-- aligned (`rla_lib.align`): a region is the set of points it keeps in FP32 (`rounding_policy`);
+- aligned (`rla_lib.align`): a `Schedule` keeps some points in FP32 (a paper's region is a `preset` of them);
 - recording (`rla_lib.studies.prerounding`): a policy with `record`, called at every point it rounds;
 - replaying (`rla_lib.studies.op_check`): a policy with `replay`, which may put another value (an engine's own, for
   teacher forcing) in place of the rounded one at every point.
@@ -30,54 +30,134 @@ from torch.autograd.function import once_differentiable
 
 from .attention import KERNELS as ATTENTION_KERNELS
 from .attention import sdpa_cpu_unrounded, truncate_to_bf16
-from .vector_sums import square_sum, straight_through
+from .vector_sums import RMS_SUM_LAYOUTS, rms_sum_layouts, square_sum, straight_through
+
 
 @dataclass(frozen=True)
 class Point:
-    """A value the stock layer rounds to the model dtype: the one list of them is `ROUNDING_POINTS`."""
+    """A value the stock model rounds to the model dtype: the one list of them is `ROUNDING_POINTS` (per layer), then
+    `FINAL_ROUNDING_POINTS` and `CARRIED_ROUNDING_POINTS`."""
 
     name: str
     kind: str  # the op whose output it is, for tables
     exact: bool  # a pointwise op's: its FP32 value is exact (else a matmul's or attention's, recomputed in FP32)
     handed_over: bool = False  # also an engine module's output, the next module's input (where op_check compares)
     qwen3_only: bool = False  # Qwen3's Q/K norm
+    keepable: bool = False  # a `Schedule` may keep it in FP32 (the next op reads FP32; a GEMM's input cannot)
 
 
 # Every rounding point of a decoder layer, in the order the layer computes them, then the model's last norm's
 ROUNDING_POINTS = (
-    Point("input_norm.rsqrt", "RMSNorm x*rsqrt", True),
+    Point("input_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
     Point("input_norm.weight", "RMSNorm *weight", True, handed_over=True),
     Point("q_proj", "projection", False, handed_over=True),
     Point("k_proj", "projection", False, handed_over=True),
     Point("v_proj", "projection", False, handed_over=True),
-    Point("q_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True),
-    Point("q_norm.weight", "Q/K norm *weight", True, qwen3_only=True),
-    Point("k_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True),
-    Point("k_norm.weight", "Q/K norm *weight", True, qwen3_only=True),
-    Point("rope.q_cos", "RoPE product", True),
-    Point("rope.q_sin", "RoPE product", True),
+    Point("q_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True),
+    Point("q_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True),
+    Point("k_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True),
+    Point("k_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True),
+    Point("rope.q_cos", "RoPE product", True, keepable=True),
+    Point("rope.q_sin", "RoPE product", True, keepable=True),
     Point("rope.q_sum", "RoPE sum", True),
-    Point("rope.k_cos", "RoPE product", True),
-    Point("rope.k_sin", "RoPE product", True),
+    Point("rope.k_cos", "RoPE product", True, keepable=True),
+    Point("rope.k_sin", "RoPE product", True, keepable=True),
     Point("rope.k_sum", "RoPE sum", True),
     Point("attention", "attention", False, handed_over=True),
     Point("o_proj", "projection", False, handed_over=True),
-    Point("residual_attn", "residual sum", True),
-    Point("post_norm.rsqrt", "RMSNorm x*rsqrt", True),
+    Point("residual_attn", "residual sum", True, keepable=True),
+    Point("post_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
     Point("post_norm.weight", "RMSNorm *weight", True, handed_over=True),
     Point("gate_proj", "projection", False, handed_over=True),
     Point("up_proj", "projection", False, handed_over=True),
-    Point("silu", "SiLU", True),
+    Point("silu", "SiLU", True, keepable=True),
     Point("swiglu", "SwiGLU product", True, handed_over=True),
     Point("down_proj", "projection", False, handed_over=True),
-    Point("residual_mlp", "residual sum", True),
+    Point("residual_mlp", "residual sum", True, keepable=True),
 )
 FINAL_ROUNDING_POINTS = (
-    Point("final_norm.rsqrt", "RMSNorm x*rsqrt", True),
+    Point("final_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
     Point("final_norm.weight", "RMSNorm *weight", True, handed_over=True),
+)
+# Values the model carries between modules: cos/sin from the rotary embedding to every layer's RoPE (stock: cast to
+# the model dtype), and the residual stream from one add to the next (stock: the rounded sum the norm also reads).
+CARRIED_ROUNDING_POINTS = (
+    Point("rope.cos_sin", "RoPE cos/sin", True, keepable=True),
+    Point("residual_stream", "residual carried", True, keepable=True),
 )
 POINTS = tuple(p.name for p in ROUNDING_POINTS)
 FINAL_POINTS = tuple(p.name for p in FINAL_ROUNDING_POINTS)
+KEEPABLE = tuple(p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS if p.keepable)
+TRUNCATABLE = ("rope.q_sum", "rope.k_sum")  # toward zero, as vLLM-CPU's rotary kernel without AVX512-BF16 converts
+QK_NORM = ("q_norm.rsqrt", "q_norm.weight", "k_norm.rsqrt", "k_norm.weight")
+ROPE_PRODUCTS = ("rope.q_cos", "rope.q_sin", "rope.k_cos", "rope.k_sin")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where the training side rounds, as data: every rounding point but those in `keep` (held in FP32), toward zero at
+    those in `truncate`; `attention` the engine's attention kernel in place of the model's (`attention.KERNELS`; None:
+    the model's own); `rms_sum` the order the norms whose input sum is kept (and a kept Q/K norm) sum x² in
+    (`vector_sums.rms_sum_layouts`). The paper's regions are presets of it (`preset`); an engine's is read from its
+    code (`rla_lib.align.schedule`)."""
+
+    keep: frozenset = frozenset()
+    truncate: frozenset = frozenset()
+    attention: str | None = None
+    rms_sum: str = "torch"
+
+    def __post_init__(self):
+        object.__setattr__(self, "keep", frozenset(self.keep))
+        object.__setattr__(self, "truncate", frozenset(self.truncate))
+        if unknown := sorted(self.keep - set(KEEPABLE)):
+            raise ValueError(f"a schedule cannot keep {unknown} in FP32; points it can keep: {', '.join(KEEPABLE)}")
+        if unknown := sorted(self.truncate - set(TRUNCATABLE)):
+            raise ValueError(f"a schedule cannot truncate {unknown}; points it can truncate: {', '.join(TRUNCATABLE)}")
+        if self.truncate and not set(ROPE_PRODUCTS) <= self.keep:
+            raise ValueError("truncating the rotated Q/K needs the RoPE products kept in FP32 (a BF16 sum is exact)")
+        if "rope.cos_sin" in self.keep and not set(ROPE_PRODUCTS) <= self.keep:
+            raise ValueError("FP32 cos/sin need the RoPE products kept in FP32 (else they are rounded where they are read)")
+        if self.attention is not None and self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention={self.attention!r} is not valid; allowed values: "
+                             f"{', '.join(map(repr, ATTENTION_KERNELS))}, or None for the model's own kernel.")
+        if not isinstance(self.rms_sum, str):
+            raise ValueError(f"rms_sum={self.rms_sum!r} is not valid: a layout ({', '.join(RMS_SUM_LAYOUTS)}) or per kind.")
+        rms_sum_layouts(self.rms_sum)  # raises if malformed
+
+    def rounding(self, layer=None, record=None, replay=None) -> Rounding:
+        """One layer's policy (`layer="final"`: the final norm's)."""
+        return Rounding(self.keep, self.truncate, record, layer, replay)
+
+    def regions(self) -> tuple[str, ...]:
+        """The presets whose defining points it keeps (RoPE products, SiLU, residual sums; an engine attention kernel):
+        a short name, not the whole schedule."""
+        held = [r for r, points in DEFINING_POINTS.items() if set(points) <= self.keep]
+        return (*held, "attention") if self.attention is not None else tuple(held)
+
+    def __str__(self) -> str:
+        parts = [f"keep {', '.join(p for p in KEEPABLE if p in self.keep) or 'nothing'}"]
+        parts += [f"truncate {', '.join(sorted(self.truncate))}"] * bool(self.truncate)
+        parts += [f"attention {self.attention}"] * (self.attention is not None)
+        parts += [f"rms_sum {self.rms_sum}"] * (self.rms_sum != "torch")
+        return "; ".join(parts)
+
+
+# The paper's regions, as the points each keeps in FP32 (the Q/K norm is Qwen3's only), and the point that defines each
+REGION_POINTS = {
+    "rope": ("rope.cos_sin", *QK_NORM, *ROPE_PRODUCTS),
+    "swiglu": ("silu",),
+    "residual_norm": ("residual_attn", "residual_mlp"),
+}
+DEFINING_POINTS = {"rope": ROPE_PRODUCTS, "swiglu": ("silu",), "residual_norm": ("residual_attn", "residual_mlp")}
+PRESETS = (*REGION_POINTS, "attention")  # "attention": the engine's kernel ("fp32": scores, softmax, P·V in FP32)
+
+
+def preset(*regions: str) -> Schedule:
+    """The schedule of some of the paper's regions (and "attention"): `preset("rope")`, `preset(*REGIONS)`."""
+    if unknown := [r for r in regions if r not in PRESETS]:
+        raise ValueError(f"unknown region(s) {unknown}; known regions: {', '.join(PRESETS)}.")
+    keep = {p for r in regions for p in REGION_POINTS.get(r, ())}
+    return Schedule(frozenset(keep), attention="fp32" if "attention" in regions else None)
 
 
 @dataclass(frozen=True)
@@ -153,24 +233,6 @@ def truncated_bf16(x: torch.Tensor) -> torch.Tensor:
     return nearest + (truncate_to_bf16(x.detach()) - nearest).detach()
 
 
-def rounding_policy(regions, options, layer=None, record=None, replay=None) -> Rounding:
-    """The points `align`'s regions keep in FP32, under its `options` (rope_qk_norm, rope_rounding, norm_weight)."""
-    keep, truncate = set(), set()
-    if "rope" in regions:
-        keep |= {"rope.q_cos", "rope.q_sin", "rope.k_cos", "rope.k_sin"}
-        if options.rope_qk_norm == "fp32":
-            keep |= {"q_norm.rsqrt", "q_norm.weight", "k_norm.rsqrt", "k_norm.weight"}
-        if options.rope_rounding == "truncate":
-            truncate |= {"rope.q_sum", "rope.k_sum"}
-    if "swiglu" in regions:
-        keep.add("silu")
-    if "residual_norm" in regions:
-        keep |= {"residual_attn", "residual_mlp"}
-        if options.norm_weight == "fp32":
-            keep |= {"input_norm.rsqrt", "post_norm.rsqrt", "final_norm.rsqrt"}
-    return Rounding(frozenset(keep), frozenset(truncate), record, layer, replay)
-
-
 def rms_normalize(hidden_states: torch.Tensor, eps: float, rms_sum: str = "torch") -> torch.Tensor:
     """x / rms(x) in FP32, written as the stock RMSNorm so FP32 models stay bitwise unchanged (`rms_sum="torch"`), or
     with Σx² summed in the order of inductor's vectorised reduction."""
@@ -209,12 +271,11 @@ def swiglu(act_fn, gate: torch.Tensor, up: torch.Tensor, rounding: Rounding) -> 
     return rounding.at("swiglu", torch.mul, act, up, dtype=gate.dtype)
 
 
-def residual_sum(residual: torch.Tensor, update: torch.Tensor, point: str, rounding: Rounding,
-                 stream: str = "bf16") -> torch.Tensor:
+def residual_sum(residual: torch.Tensor, update: torch.Tensor, point: str, rounding: Rounding) -> torch.Tensor:
     """residual + a sublayer's output (point `residual_attn` or `residual_mlp`). `residual` is the stream carried from
-    the previous add (or the embeddings): rounded at every add (`stream="bf16"`, as Transformers and vLLM carry it) or
-    never (`"fp32"`: compiled vLLM on CPU)."""
-    if stream == "bf16":
+    the previous add (or the embeddings): rounded at every add, as Transformers and vLLM carry it, unless the policy keeps
+    point `residual_stream` (compiled vLLM on CPU carries it in FP32)."""
+    if not rounding.keeps("residual_stream"):
         residual = residual.to(update.dtype)
     return rounding.at(point, torch.add, residual, update, dtype=update.dtype)
 
@@ -276,7 +337,7 @@ class FusedSwiGLU(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
-def rotary_forward(self, x, position_ids, *, options, **kwargs):
+def rotary_forward(self, x, position_ids, **kwargs):
     """Stock cos/sin, left in FP32: the stock forward casts them to `x.dtype` and reads nothing else of `x`."""
     fp32_probe = x.new_empty(0, dtype=torch.float32)
     return type(self).forward(self, fp32_probe, position_ids, **kwargs)
@@ -293,13 +354,13 @@ def attention_forward(
     *,
     attention,
     release,
-    options,
+    fused,
     rounding,
     rms_sum="torch",
     **kwargs,
 ):
     """The stock attention forward with its rounding points from `rounding` (`attention`: the engine's kernel in place
-    of the model's; `rms_sum`: this layer's Q/K norm sum order)."""
+    of the model's, or None; `rms_sum`: this layer's Q/K norm sum order; `fused`: the rotary part compiled)."""
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -313,13 +374,14 @@ def attention_forward(
     key_states = key_states.transpose(1, 2)
     value_states = rounding.linear("v_proj", self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
-    cos, sin = position_embeddings  # FP32 where the rope region keeps them (unless rope_cos_sin="bf16")
-    if not rounding.keeps("rope.q_cos") and not rounding.observed:
+    cos, sin = position_embeddings  # FP32 where the schedule keeps them (point rope.cos_sin)
+    products = [rounding.keeps(p) for p in ROPE_PRODUCTS]
+    if not any(products) and not rounding.observed:
         query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    elif options.fused and not rounding.observed:
+    elif fused and all(products) and not rounding.observed:
         query_states, key_states = _compiled(_rotary_fp32)(
             modeling.apply_rotary_pos_emb, query_states, key_states, cos, sin, value_states.dtype,
-            options.rope_rounding == "truncate",
+            bool(rounding.truncate),
         )
     else:
         query_states = rotary(query_states, cos, sin, "q", modeling.rotate_half, rounding, value_states.dtype)
@@ -329,8 +391,8 @@ def attention_forward(
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, *cache_args)
 
-    if attention:  # the engine's attention numerics, in place of the model's attn_implementation
-        attention_interface = ATTENTION_KERNELS[options.attention]
+    if attention is not None:  # the engine's attention numerics, in place of the model's attn_implementation
+        attention_interface = ATTENTION_KERNELS[attention]
     else:
         attention_interface = release.attention_function(self, modeling.eager_attention_forward)
     common = dict(dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
@@ -340,7 +402,7 @@ def attention_forward(
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if not attention:  # (an engine kernel's own FP32 value is not recorded)
+    if attention is None:  # (an engine kernel's own FP32 value is not recorded)
         rounding.attention(self, attention_interface, query_states, key_states, value_states, attention_mask,
                            attn_output, **common)
     attn_output = rounding.linear("o_proj", self.o_proj, rounding.replayed("attention", attn_output))
@@ -354,15 +416,15 @@ def qk_norm(norm: nn.Module, states: torch.Tensor, name: str, rounding: Rounding
     return rms_norm(norm, states, name, rounding) if rounding.observed else norm(states)
 
 
-def mlp_forward(self, x, *, options, rounding):
+def mlp_forward(self, x, *, fused, rounding):
     gate = rounding.linear("gate_proj", self.gate_proj, x)
     up = rounding.linear("up_proj", self.up_proj, x)
-    if options.fused and rounding.keeps("silu") and not rounding.observed:
+    if fused and rounding.keeps("silu") and not rounding.observed:
         return self.down_proj(FusedSwiGLU.apply(gate, up))
     return rounding.linear("down_proj", self.down_proj, swiglu(self.act_fn, gate, up, rounding))
 
 
-def norm_forward(self, hidden_states, *, options, rounding, name, rms_sum="torch"):
+def norm_forward(self, hidden_states, *, rounding, name, rms_sum="torch"):
     """RMSNorm of the (possibly FP32, unrounded) residual sum, output in the weight dtype."""
     return rms_norm(self, hidden_states, name, rounding, rms_sum)
 
@@ -376,9 +438,7 @@ def decoder_layer_forward(
     use_cache=False,
     position_embeddings=None,
     *,
-    options,
     rounding,
-    stream,
     **kwargs,
 ):
     # `hidden_states` is the previous layer's sum (unrounded where the policy keeps it; the embeddings for layer 0).
@@ -394,10 +454,10 @@ def decoder_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    hidden_states = residual_sum(residual, hidden_states, "residual_attn", rounding, stream)
+    hidden_states = residual_sum(residual, hidden_states, "residual_attn", rounding)
 
     # Fully Connected
     residual = hidden_states
     hidden_states = self.post_attention_layernorm(hidden_states)
     hidden_states = self.mlp(hidden_states)
-    return residual_sum(residual, hidden_states, "residual_mlp", rounding, stream)
+    return residual_sum(residual, hidden_states, "residual_mlp", rounding)

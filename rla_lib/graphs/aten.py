@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import sides
-from ..align import align
+from ..sides import align_config
 from ..models import load_model, resolve_model
 from ..tokenizer import VOCAB
 from .graph import EXACT_OPS, Graph, dtype_name, normalize_op_name
@@ -230,7 +230,7 @@ def default_ids(n: int = 12):
 def training_graph(model="qwen3-tiny", regions=None, options=None, name=None, ids=None) -> Graph:
     """The training side: stock (or aligned) Transformers BF16 forward, traced at the aten level."""
     m = load_model(model, dtype="bfloat16") if isinstance(model, (str, Path)) else model
-    handle = align(m, tuple(regions), **(options or {})) if regions is not None else None
+    handle = align_config(m, tuple(regions), options) if regions is not None else None
     try:
         ids_t = torch.tensor([ids or default_ids()])
         g = trace_forward(m, ids_t, name=name or (sides.STOCK if handle is None else sides.training("aligned")))

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
-from ..align import align
+from ..sides import align_config
 from ..align.attention import KERNELS as ATTENTION_KERNELS
 from ..align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
 from ..align.schedule import load_schedule, schedule_to_align_kwargs
@@ -172,7 +172,7 @@ def teacher_forced(model, captures: dict, schedule: dict | str | Path | None = N
         regions, options = schedule_to_align_kwargs(schedule if isinstance(schedule, dict) else load_schedule(schedule))
     tally = _Tally()
     forcing = _Forcing(tally)
-    handle = align(model, regions, replay=forcing, **options)  # (refuses a model already aligned, saying so)
+    handle = align_config(model, regions, options, replay=forcing)  # (refuses a model already aligned, saying so)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and has_fp32_matmul(m)]
     use_bf16_matmul(model, "native")
     try:
