@@ -50,6 +50,7 @@ import pandas as pd
 from rla_lib import grpo
 from rla_lib.studies import arms
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
+from rla_lib.studies.collapse import preregistration
 from rla_lib.studies.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
@@ -108,6 +109,27 @@ GRID = [  # (tag, settings, seeds, configs)
      LEARN + [ENGINE_SCHEDULE] + PAPER_ARMS),
     ("t2start-3e-4", dict(STEPS_TASK, model="qwen3-tiny-steps-hot", lr=3e-4, steps=30), (0,), ["FP32 control"]),
 ]
+
+
+
+def stage0_grid() -> list:
+    """Stage 0 of the pre-registered collapse study (data/grpo_study/preregistration.json), read from the file so the
+    runs are the registered ones: one tag per candidate regime and step size, `stage0-<model>-<P>x<G>[-t<T>]-lr<lr>`."""
+    stage = preregistration()["stage_0_regime"]
+    tags = []
+    for cand in stage["candidates"]:
+        settings = dict(STEPS_TASK, model=cand["model"], task=cand["task"], steps=cand["steps"], checkpoint_every=10,
+                        prompts_per_step=cand["prompts_per_step"], group_size=cand["group_size"])
+        hot = f"-t{cand['temperature']:g}" if "temperature" in cand else ""
+        if hot:
+            settings["temperature"] = cand["temperature"]
+        for lr in cand["lr"]:
+            tag = f"stage0-{cand['model']}-{cand['prompts_per_step']}x{cand['group_size']}{hot}-lr{lr:g}"
+            tags.append((tag, dict(settings, lr=lr), tuple(stage["seeds"]), [stage["arm"]]))
+    return tags
+
+
+GRID += stage0_grid()
 
 
 def claimed(runs):
