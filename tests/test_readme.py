@@ -55,6 +55,15 @@ def test_generated_table_rows_count_data_rows_only():
     assert generated_table_rows(text) == 2
 
 
+def test_the_results_page_has_a_heading_per_chapter():
+    """docs/results.md is read chapter by chapter: a `##` heading that names each numbered notebook, in order."""
+    headings = [line for line in (ROOT / "docs" / "results.md").read_text().splitlines() if line.startswith("## ")]
+    chapters = sorted(p.stem for p in (ROOT / "notebooks").glob(CHAPTERS))
+    found = [next((i for i, h in enumerate(headings) if h.startswith(f"## {name}")), None) for name in chapters]
+    assert None not in found, f"no heading for {[c for c, i in zip(chapters, found) if i is None]}"
+    assert found == sorted(found)
+
+
 def test_each_block_is_shown_once():
     """A table lives on one page: the front page's headline blocks are summaries of their own, not copies."""
     names = [m.group(2) for page in readme.PAGES for m in readme.BLOCK.finditer(page.read_text())]

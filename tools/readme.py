@@ -1,5 +1,5 @@
-"""The measured numbers of README.md and the pages under docs/, rendered from the committed result tables (`tables/`),
-never typed in.
+"""The measured numbers of README.md, the pages under docs/ and benchmarks/README.md, rendered from the committed result
+tables (`tables/`), never typed in.
 
     python -m tools.readme           # rewrite every block of every page (PAGES) from tables/
     python -m tools.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
@@ -34,7 +34,9 @@ from tools.readme_front import block_front_collapse, block_front_exactness, bloc
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
-PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md")  # the overview, how to, every result
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+# the front page, how to, every result, and the benchmarks' targets and the test suite's runs commit by commit
+PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md", BENCHMARKS)
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
 
 
