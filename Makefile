@@ -63,7 +63,7 @@ run-all: setup
 	$(PY) -m rla_lib.report times notebooks/executed
 	$(PY) -m tools.readme
 
-# The measured numbers of README.md and docs/, rewritten from the result tables under tables/ (run-all ends with it).
+# The measured numbers of README.md, docs/ and benchmarks/README.md, rewritten from the result tables under tables/ (run-all ends with it).
 readme: setup
 	$(PY) -m tools.readme
 

@@ -30,14 +30,60 @@ def test_the_results_page_has_no_hand_typed_numbers():
     assert not numbers, f"numbers typed into docs/results.md outside generated blocks: {numbers}"
 
 
-def test_the_readme_is_short_and_points_to_the_pages():
-    """A newcomer's five minutes: what it is, the two commands, the headline results, the API, the chapters."""
+README_LINES, README_TABLE_ROWS = 100, 15  # the front page, read in five minutes
+
+
+def generated_table_rows(text: str) -> int:
+    """Data rows of the markdown tables inside rendered blocks (header and separator rows not counted)."""
+    rows = [line for m in readme.BLOCK.finditer(text) for line in m.group(3).splitlines() if line.startswith("|")]
+    separators = sum(1 for line in rows if re.fullmatch(r"\|(?:\s*:?-+:?\s*\|)+", line))
+    return len(rows) - 2 * separators  # each table: a header row, a separator row, then its data rows
+
+
+def test_the_readme_is_a_short_front_page_and_points_to_the_pages():
+    """A newcomer's five minutes: what it is, the two commands, three headline results, the API, the chapters."""
     text = (ROOT / "README.md").read_text()
-    prose = readme.BLOCK.sub("", text)
-    assert len(prose.splitlines()) <= 120, "README.md prose has grown: move the detail to docs/guide.md or docs/results.md"
+    assert len(text.splitlines()) <= README_LINES, "README.md has grown: move the detail to docs/guide.md or docs/results.md"
+    assert generated_table_rows(text) <= README_TABLE_ROWS, "README.md's tables have grown: the full ones go to docs/results.md"
     assert "make run-all" in text and "make test" in text and all(f"`{p.relative_to(ROOT)}`" in text for p in readme.PAGES[1:])
     chapters = sorted(p.name for p in (ROOT / "notebooks").glob(CHAPTERS))
     assert [name for name in chapters if f"`notebooks/{name}`" not in text] == []
+
+
+def test_generated_table_rows_count_data_rows_only():
+    text = "<!-- rla:begin x -->\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\ntext | not a row\n<!-- rla:end x -->\n| 5 | 6 |\n"
+    assert generated_table_rows(text) == 2
+
+
+def test_the_results_page_has_a_heading_per_chapter():
+    """docs/results.md is read chapter by chapter: a `##` heading that names each numbered notebook, in order."""
+    headings = [line for line in (ROOT / "docs" / "results.md").read_text().splitlines() if line.startswith("## ")]
+    chapters = sorted(p.stem for p in (ROOT / "notebooks").glob(CHAPTERS))
+    found = [next((i for i, h in enumerate(headings) if h.startswith(f"## {name}")), None) for name in chapters]
+    assert None not in found, f"no heading for {[c for c, i in zip(chapters, found) if i is None]}"
+    assert found == sorted(found)
+
+
+def test_each_block_is_shown_once():
+    """A table lives on one page: the front page's headline blocks are summaries of their own, not copies."""
+    names = [m.group(2) for page in readme.PAGES for m in readme.BLOCK.finditer(page.read_text())]
+    assert sorted(names) == sorted(set(names)), [n for n in set(names) if names.count(n) > 1]
+
+
+def test_the_readmes_api_names_exist():
+    """Every `rla_lib.X` and `from rla_lib.align import ...` name in the front page's code resolves."""
+    import importlib
+    import importlib.util
+
+    import rla_lib
+
+    code = "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S))
+    assert code
+    for module, names in re.findall(r"from (rla_lib[\w.]*) import ([\w, ]+)", code):
+        for name in names.split(","):
+            assert hasattr(importlib.import_module(module), name.strip()), f"{module}.{name.strip()}"
+    for name in re.findall(r"\brla_lib\.(\w+)", code):
+        assert hasattr(rla_lib, name) or importlib.util.find_spec(f"rla_lib.{name}"), f"rla_lib.{name}"
 
 
 def test_every_block_has_a_renderer_and_is_shown():

@@ -1,5 +1,5 @@
-"""The measured numbers of README.md and the pages under docs/, rendered from the committed result tables (`tables/`),
-never typed in.
+"""The measured numbers of README.md, the pages under docs/ and benchmarks/README.md, rendered from the committed result
+tables (`tables/`), never typed in.
 
     python -m tools.readme           # rewrite every block of every page (PAGES) from tables/
     python -m tools.readme --check   # exit 1 if a block differs from what the tables say (a test runs this)
@@ -30,10 +30,13 @@ from rla_lib.settings import TEST_VARIABLES, VARIABLES
 from rla_lib.studies import collapse, dose_response
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
+from tools.readme_front import block_front_collapse, block_front_exactness, block_front_gap, exactness_verdict
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
-PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md")  # the overview, how to, every result
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+# the front page, how to, every result, and the benchmarks' targets and the test suite's runs commit by commit
+PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md", BENCHMARKS)
 BLOCK = re.compile(r"(<!-- rla:begin (\S+) -->\n)(.*?)(<!-- rla:end \2 -->)", re.S)
 
 
@@ -187,23 +190,6 @@ def block_bitwise_tokens() -> str:
     return "\n\n".join([table, source("02_bitwise_tokens", meta)])
 
 
-def is_exact(r) -> bool:
-    """An exactness row: every token, as sampled and as rescored, bitwise, and every KL term 0."""
-    return r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1 and bool(r["kl_all_zero"])
-
-
-def exactness_verdict(r) -> str:
-    """"exact" only where `is_exact`."""
-    if is_exact(r):
-        return (f"exact: all {r['tokens']:,} tokens of {r['prompts']} prompts, as sampled and rescored; KL 0 "
-                f"(prompt share >= {r['prompt_share_bound']:.1%}, exact 95% bound)")
-    nonfinite = float(r.get("kl_nonfinite", 0))  # (NaN in rows written before the count was kept)
-    if not math.isnan(nonfinite) and nonfinite > 0:
-        return f"not exact: {int(r['kl_nonfinite'])} KL terms not finite (an error in the measurement, not skipped)"
-    return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
-            f"{r['prompts_all_bitwise']} of {r['prompts']} prompts all bitwise; KL {r['exact_kl']:.3g} per token")
-
-
 def block_exactness() -> str:
     t, meta = load_table("exactness")
     aligned = t[t.side == "engine-aligned"].set_index(["cpu", "level", "model", "mode"])
@@ -216,21 +202,6 @@ def block_exactness() -> str:
     setting = (f"_{p.get('prompts')} held-out prompts x {p.get('samples')} samples of up to {p.get('max_tokens')} tokens "
                "per row (the last run's settings)._")
     return "\n\n".join([table, setting, source("exactness", meta)])
-
-
-def block_exactness_summary() -> str:
-    """One line per CPU kind: at which levels the engine-aligned side was exact in every (model, mode) cell."""
-    t, meta = load_table("exactness")
-    aligned = t[t.side == "engine-aligned"]
-    lines = []
-    for cpu, g in aligned.groupby("cpu", sort=False):
-        exact = g.apply(is_exact, axis=1)
-        levels = [f"{level} (`{kernel}` kernels)" for (level, kernel), e in
-                  exact.groupby([g["level"], g["vllm_attention_kernel"]], sort=False) if e.all()]
-        missed = sorted(set(g.loc[~exact, "level"]))
-        lines.append(f"- {cpu}: exact in {exact.sum()} of {len(g)} (model, mode, level) cells; every cell at "
-                     + (", ".join(levels) or "no level") + (f"; not at {', '.join(missed)}" if missed else ""))
-    return "\n".join(lines + ["", source("exactness", meta)])
 
 
 MEASURE_MODELS = ("qwen3-tiny", "qwen2-tiny")  # `make measure-example`: rla measure on each, tables/measure-<model>/
@@ -579,7 +550,9 @@ BLOCKS = {
     "bitwise-tokens": measured_by("make run-all (notebook 02b)", block_bitwise_tokens),
     "op-check": measured_by("make run-all (notebook 02b)", block_op_check),
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
-    "exactness-summary": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness_summary),
+    "front-gap": block_front_gap,
+    "front-exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_front_exactness),
+    "front-collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_front_collapse),
     "measure": measured_by("make measure-example", block_measure),
     "settings": block_settings,
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
