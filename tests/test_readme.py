@@ -411,3 +411,13 @@ def test_a_fresh_clone_run_refuses_a_commit_whose_readme_is_stale(tmp_path, monk
     python.chmod(0o755)
     with pytest.raises(SystemExit, match="abc1234: blocks out of date .*isa-spread.*Run `make readme`, commit"):
         fresh_clone_test.refuse_stale_readme(stale, "abc1234")
+
+
+def test_exactness_verdict_tells_a_distribution_gap_from_a_token_gap():
+    from tools.readme_front import exactness_verdict
+
+    row = dict(tokens=736, prompts=64, sampled_bitwise=1.0, rescored_bitwise=1.0, prompts_all_bitwise=64,
+               prompt_share_bound=0.954, exact_kl=0.0, kl_all_zero=True, kl_nonfinite=0)
+    assert exactness_verdict(row).startswith("exact: all 736 tokens")
+    assert "full distributions differ" in exactness_verdict(row | {"kl_all_zero": False})
+    assert "99.0% of tokens bitwise as sampled" in exactness_verdict(row | {"kl_all_zero": False, "sampled_bitwise": 0.99})
