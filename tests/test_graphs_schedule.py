@@ -75,3 +75,38 @@ def test_applying_a_schedule_reproduces_its_settings(family, regions, options):
     # and aligning to that schedule rounds exactly where the traced model did
     again = graphs.read_points(graphs.training_graph(model, *got))
     assert again.summary() == points.summary()
+
+
+def test_the_reader_names_the_rounding_points_of_the_one_list():
+    """Every value the reader reads stands for points of `modeling_qwen`'s list, and every point there is read."""
+    from rla_lib.align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_ROUNDING_POINTS, ROUNDING_POINTS
+    from rla_lib.graphs.points import LAYER_POINTS, ROUNDING_POINTS_READ
+    from rla_lib.graphs.points import FINAL_POINTS as READ_FINAL
+
+    listed = {p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS}
+    assert set(ROUNDING_POINTS_READ) == {key for key, _, _ in LAYER_POINTS + READ_FINAL}
+    read = {p for points in ROUNDING_POINTS_READ.values() for p in points}
+    assert read == listed, (read ^ listed)
+
+
+def test_a_read_schedule_keeps_the_keepable_points_the_engine_holds_in_fp32():
+    """The schedule the rules map the reader's values to keeps in FP32 exactly the keepable points whose read values are
+    FP32 (the CPU code read: a schedule without notes), spelled in the one list's names in the saved file."""
+    from rla_lib.align import KEEPABLE
+    from rla_lib.graphs.points import ROUNDING_POINTS_READ
+
+    sched = graphs.schedule(graphs.read_points(graphs.parse_output_code(CPU_CODE)), "vllm:compiled")
+    assert sched["align"]["exact"], sched["align"]["notes"]
+    in_fp32 = {p for key, v in sched["points"].items() if v["value"] == "fp32" for p in ROUNDING_POINTS_READ[key]}
+    held = {p for key, v in sched["points"].items() if v["value"] != "fp32" for p in ROUNDING_POINTS_READ[key]}
+    expected = (in_fp32 - held) & set(KEEPABLE)
+    assert sorted(expected) == save_schedule_and_read(sched)["rounding"]["keep"]
+
+
+def save_schedule_and_read(sched):
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        return json.loads(save_schedule(sched, Path(folder) / "s.json").read_text())

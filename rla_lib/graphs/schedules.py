@@ -16,7 +16,8 @@ from ..align.schedule import SCHEDULE_FORMAT, save_schedule
 from ..align.vector_sums import NORM_KINDS
 from ..models import resolve_model
 from .graph import GRAPHS_DIR
-from .points import FINAL, FINAL_POINTS, LAYER_POINTS, Held, Mixed, Points, Split, combine_counts, parse_value
+from .points import (FINAL, FINAL_POINTS, LAYER_POINTS, ROUNDING_POINTS_READ, Held, Mixed, Points, Split, combine_counts,
+                     parse_value)
 
 # points no align option changes: the engine must round them as Transformers does
 _FIXED_POINTS = ("input_norm.output", "qkv_proj.output", "rope.output", "attention.output", "o_proj.output",
@@ -156,6 +157,8 @@ def schedule(points: Points, engine: str | None = None, meta: dict | None = None
     for key, region, what in FINAL_POINTS:
         per_layer[key] = {"region": region, "what": what, "value": str(summary[key]), "per_layer": None,
                           "kernels": points.where.get((FINAL, key), [])}
+    for key, entry in per_layer.items():  # the values read, in the names of the training side's rounding points
+        entry["rounding_points"] = list(ROUNDING_POINTS_READ[key])
     return {
         "format": SCHEDULE_FORMAT,
         "engine": engine or points.name,
