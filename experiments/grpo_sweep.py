@@ -4,6 +4,12 @@ training does not?) and the dose-response study (how much mismatch does uncorrec
     make grpo-sweep                                  # everything below, on every CPU core
     .venv/bin/python experiments/grpo_sweep.py --only lr3e-4 --seeds 0   # a slice
     .venv/bin/python experiments/grpo_sweep.py --only dose               # start one per core: they share the list
+    .venv/bin/python experiments/grpo_sweep.py --only stage0 --seeds 0   # the collapse study's pilot, seed 0 first
+    .venv/bin/python experiments/grpo_sweep.py --stage0-table            # its table and decision so far
+
+The collapse study's stage 0 (data/grpo_study/preregistration.json: which regime learns) is read from the
+pre-registration (`stage0_grid`): one tag per candidate and step size, `stage0-...` (`--only stage0`: all of them),
+the FP32 control, seeds 0-2.
 
 Any number of workers can run the same list at once: each run folder is locked (`claim.lock`, an flock) by
 the one worker running it, and the others move on to the next. The lock dies with its process, so a worker
@@ -50,9 +56,9 @@ import pandas as pd
 from rla_lib import grpo
 from rla_lib.studies import arms
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
-from rla_lib.studies.collapse import preregistration
+from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
 from rla_lib.studies.stability import summarize, sweep_sidecar_path
-from rla_lib.report import git_commit
+from rla_lib.report import git_commit, save_table
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
 
 OUT = RESULTS_DIR / "grpo_sweep"
@@ -114,19 +120,16 @@ GRID = [  # (tag, settings, seeds, configs)
 
 def stage0_grid() -> list:
     """Stage 0 of the pre-registered collapse study (data/grpo_study/preregistration.json), read from the file so the
-    runs are the registered ones: one tag per candidate regime and step size, `stage0-<model>-<P>x<G>[-t<T>]-lr<lr>`."""
+    runs are the registered ones: one tag per candidate regime and step size (`collapse.stage0_runs`)."""
     stage = preregistration()["stage_0_regime"]
-    tags = []
-    for cand in stage["candidates"]:
+    grid = []
+    for tag, cand, lr in stage0_runs():
         settings = dict(STEPS_TASK, model=cand["model"], task=cand["task"], steps=cand["steps"], checkpoint_every=10,
-                        prompts_per_step=cand["prompts_per_step"], group_size=cand["group_size"])
-        hot = f"-t{cand['temperature']:g}" if "temperature" in cand else ""
-        if hot:
+                        prompts_per_step=cand["prompts_per_step"], group_size=cand["group_size"], lr=lr)
+        if "temperature" in cand:
             settings["temperature"] = cand["temperature"]
-        for lr in cand["lr"]:
-            tag = f"stage0-{cand['model']}-{cand['prompts_per_step']}x{cand['group_size']}{hot}-lr{lr:g}"
-            tags.append((tag, dict(settings, lr=lr), tuple(stage["seeds"]), [stage["arm"]]))
-    return tags
+        grid.append((tag, settings, tuple(stage["seeds"]), [stage["arm"]]))
+    return grid
 
 
 GRID += stage0_grid()
@@ -184,6 +187,21 @@ def write_sidecar(written: str, commit: str | None, runs: int, note: str | None 
     atomic_write(sweep_sidecar_path(SHIPPED), lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=list) + "\n"))
 
 
+def write_stage0_table() -> dict:
+    """Stage 0 of the collapse study so far, by its registered rule (`collapse.stage0`), from the runs in results/ (an
+    unfinished run is not counted): tables/06_stage0.csv, with the decision in its provenance."""
+    frames = []
+    for run_id, labels, _ in planned_runs(only=[tag for tag, _, _ in stage0_runs()]):
+        path = OUT / run_id / "history.csv"
+        if path.exists():
+            frames.append(pd.read_csv(path).assign(run=run_id, **labels))
+    if not frames:
+        raise SystemExit("no stage-0 run has started: run `experiments/grpo_sweep.py --only <stage0 tags>` first")
+    table, decision = stage0(pd.concat(frames, ignore_index=True))
+    save_table(table, "06_stage0", params=dict(decision=decision, rule=preregistration()["stage_0_regime"]["rule"]))
+    return decision
+
+
 def git(*args) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -229,11 +247,17 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--configs", nargs="*", help="configurations to run (default: each tag's own)")
     parser.add_argument("--collect-only", action="store_true", help="just rebuild the shipped file from finished runs")
     parser.add_argument("--sidecar-from-git", action="store_true", help="only write the shipped file's sidecar from git history")
+    parser.add_argument("--stage0-table", action="store_true",
+                        help="only write tables/06_stage0.csv: the collapse study's stage 0 so far, by its rule")
     args = parser.parse_args()
+    if args.stage0_table:
+        raise SystemExit(f"stage 0: {write_stage0_table()}")
     if args.sidecar_from_git:
         sidecar_from_git()
         raise SystemExit(f"wrote {sweep_sidecar_path(SHIPPED).relative_to(ROOT)}")
 
+    if args.only and "stage0" in args.only:  # the pilot's tags, as a group
+        args.only = [t for t in args.only if t != "stage0"] + [tag for tag, _, _ in stage0_runs()]
     known = list(dict.fromkeys(name for *_, names in GRID for name in names))
     if args.configs and set(args.configs) - set(known):
         parser.error(f"unknown configuration(s) {sorted(set(args.configs) - set(known))}; choose from {known}")

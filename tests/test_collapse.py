@@ -225,3 +225,34 @@ def test_the_preregistration_names_every_test_of_every_question_and_the_holm_fam
     tests = sorted(reg["tests"])
     assert tests == [f"H{i}" for i in range(1, len(tests) + 1)] and all(h in reg["multiplicity"] for h in ("H1", tests[-1]))
     assert reg["questions"]["Q2_edge"]["equivalence_margin"]["log_step_size"] == pytest.approx(math.log(1.25), abs=1e-6)
+
+
+def stage0_history(tag, seed, accuracies, n=512, every=10):
+    """One stage-0 run's history: evaluations every `every` steps, the step timers one second each."""
+    steps = np.arange(len(accuracies)) * every
+    return pd.DataFrame(dict(run=f"{tag}-s{seed}", sweep=tag, config="FP32 control", seed=seed, step=steps,
+                             eval_accuracy=accuracies, eval_prompts=n, t_rollout=1.0, t_update=1.0))
+
+
+def test_stage0_picks_the_regime_that_learns_by_the_registered_rule():
+    reg = c.preregistration()
+    reg = reg | {"stage_0_regime": reg["stage_0_regime"] | {"candidates": [
+        dict(model="m", task="steps", lr=[1e-4], prompts_per_step=16, group_size=16, steps=30),
+        dict(model="m", task="steps", lr=[2e-4], prompts_per_step=16, group_size=16, steps=30)]}}
+    (rises, _, _), (flat, _, _) = c.stage0_runs(reg)
+    assert (rises, flat) == ("stage0-m-16x16-lr0.0001", "stage0-m-16x16-lr0.0002")
+    learning = [0.07, 0.10, 0.13, 0.15]  # the last three's mean, 0.127, is 4.0 standard errors above 0.07
+    unmoved = [0.07, 0.08, 0.07, 0.08]  # +0.007: within noise (0.5 standard errors)
+    runs = [stage0_history(rises, s, learning) for s in (0, 1, 2)] + [stage0_history(flat, s, unmoved) for s in (0, 1, 2)]
+    table, decision = c.stage0(pd.concat(runs), reg)
+    assert decision == dict(decision="regime", regime=rises)
+    assert table.set_index("sweep")["learned"].to_dict() == {rises: 3, flat: 0}
+
+    table, decision = c.stage0(pd.concat(runs[:-1]), reg)  # a seed still running: no decision yet
+    assert decision == dict(decision="incomplete", left=[flat])
+    halfway = stage0_history(flat, 2, unmoved[:2])  # unfinished: not counted, the candidate is still open
+    assert c.stage0(pd.concat(runs[:-1] + [halfway]), reg)[1]["decision"] == "incomplete"
+
+    falls = [0.07, 0.20, 0.02, 0.01]  # learned, then collapsed: a regime with no room to stay up is not the regime
+    table, decision = c.stage0(pd.concat([stage0_history(rises, 0, falls)] + runs[1:]), reg)
+    assert table.set_index("sweep").loc[rises, "collapsed"] == 1 and decision == dict(decision="none learns", regime=None)

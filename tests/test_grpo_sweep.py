@@ -70,3 +70,21 @@ def test_only_finished_runs_are_collected(sweep, tmp_path, monkeypatch):
     data, fresh = sweep.collect(runs)
     assert fresh == ["done"] and set(data["run"]) == {"done"}
     assert sweep.finished(tmp_path / "running", 2) is None and sweep.finished(tmp_path / "absent", 2) is None
+
+
+def test_stage0_runs_are_the_registered_ones(sweep):
+    """The pilot's runs come from the pre-registration: each candidate at each step size, the arm and seeds it names,
+    evaluated every 10 steps on every held-out problem, as the collapse definition requires."""
+    from rla_lib.studies.collapse import preregistration, stage0_runs
+
+    stage = preregistration()["stage_0_regime"]
+    tags = [tag for tag, _, _ in stage0_runs()]
+    runs = list(sweep.planned_runs(only=tags))
+    assert len(runs) == len(tags) * len(stage["seeds"]) == sum(len(c["lr"]) for c in stage["candidates"]) * 3
+    for run_id, labels, settings in runs:
+        cand = next(c for tag, c, lr in stage0_runs() if tag == labels["sweep"] and lr == settings["lr"])
+        assert labels["config"] == stage["arm"] and settings["precision"] == "fp32"
+        assert {k: settings[k] for k in ("model", "task", "steps", "prompts_per_step", "group_size")} == \
+            {k: cand[k] for k in ("model", "task", "steps", "prompts_per_step", "group_size")}
+        assert settings.get("temperature", 1.0) == cand.get("temperature", 1.0)
+        assert (settings["eval_every"], settings["eval_prompts"]) == (10, 512)

@@ -10,6 +10,7 @@
     learning(histories)                         # per run of one arm: did it learn beyond noise (nothing to collapse if not)
     warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
     step_size_table(rates, grid)                # per arm: fewer collapses at the smaller of two step sizes?
+    stage0(histories)                           # the pre-registered pilot: which regime learns, by its rule
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
 (`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
@@ -279,6 +280,64 @@ def preregistration(path=None) -> dict:
     if listed != set(owned) or any(name not in reg["questions"][q]["tests"] for name, q in owned.items()):
         raise ValueError(f"{path}: questions and tests do not match ({sorted(listed ^ set(owned))})")
     return reg
+
+
+LEARN_LAST = 3  # stage 0: the mean of the last 3 evaluations against the first
+
+
+def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
+    """The pre-registered stage 0 (`preregistration()["stage_0_regime"]`), by its rule, on the histories of its runs
+    (columns run, sweep, config, seed, step, eval_accuracy, eval_prompts, t_*; one sweep tag per candidate and step
+    size). Per candidate: the registered seeds run to the end, those that learn (the mean of the last `LEARN_LAST`
+    evaluations above the first by more than NOISE_Z binomial standard errors of that difference), collapses, the mean
+    gain and the median core-hours of a run's steps; `learns` once every registered seed has finished: at least 2 seeds
+    learn and none collapses. Returns the table and the decision: the regime R (the largest mean gain of those that
+    learn; ties: the fewer core-hours), "none learns" (the study stops at stage 0), or "incomplete" with what is left."""
+    import pandas as pd
+
+    stage = (reg or preregistration())["stage_0_regime"]
+    seeds, steps_of = set(stage["seeds"]), {tag: cand["steps"] for tag, cand, _ in stage0_runs(reg)}
+    rows = []
+    mine = histories[(histories["config"] == stage["arm"]) & histories["sweep"].isin(steps_of)]
+    for sweep, runs in mine.groupby("sweep", sort=False):
+        done, learned, collapsed, gains, hours = set(), 0, 0, [], []
+        for run, h in runs.groupby("run", sort=False):
+            ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
+            steps, acc, n = ev["step"].to_numpy(), ev["eval_accuracy"].to_numpy(), _problems(run, h, None)
+            if int(h["seed"].iloc[0]) not in seeds or len(acc) <= LEARN_LAST or steps[-1] < steps_of[sweep]:
+                continue  # not registered, or not finished: not counted
+            done.add(int(h["seed"].iloc[0]))
+            last = acc[-LEARN_LAST:].mean()
+            se = float(np.hypot(binomial_se(acc[0], n), binomial_se(last, n * LEARN_LAST)))
+            learned += bool(last - acc[0] > NOISE_Z * se)
+            collapsed += collapse(steps, acc, n)["collapsed"]
+            gains.append(last - acc[0])
+            hours.append(float(h.filter(like="t_").sum().sum()) / 3600)
+        complete = done == seeds
+        rows.append(dict(sweep=sweep, seeds_done=len(done), seeds_registered=len(seeds), learned=learned,
+                         collapsed=collapsed, mean_gain=float(np.mean(gains)) if gains else float("nan"),
+                         core_hours=float(np.median(hours)) if hours else float("nan"), complete=complete,
+                         learns=complete and learned >= 2 and collapsed == 0))
+    table = pd.DataFrame(rows)
+    left = [t for t in steps_of if t not in set(table.get("sweep", [])) or not table.set_index("sweep").loc[t, "complete"]]
+    if left:
+        return table, dict(decision="incomplete", left=left)
+    learners = table[table["learns"]].sort_values(["mean_gain", "core_hours"], ascending=[False, True])
+    if learners.empty:
+        return table, dict(decision="none learns", regime=None)
+    return table, dict(decision="regime", regime=learners["sweep"].iloc[0])
+
+
+def stage0_runs(reg: dict | None = None) -> list[tuple[str, dict, float]]:
+    """Stage 0's (sweep tag, candidate, step size), one per candidate and step size, named
+    `stage0-<model>-<prompts>x<group>[-t<temperature>]-lr<lr>` (experiments/grpo_sweep.py runs them)."""
+    stage = (reg or preregistration())["stage_0_regime"]
+    runs = []
+    for cand in stage["candidates"]:
+        hot = f"-t{cand['temperature']:g}" if "temperature" in cand else ""
+        runs += [(f"stage0-{cand['model']}-{cand['prompts_per_step']}x{cand['group_size']}{hot}-lr{lr:g}", cand, lr)
+                 for lr in cand["lr"]]
+    return runs
 
 
 def step_size_table(rates, grid) -> "pd.DataFrame":
