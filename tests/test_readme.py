@@ -420,4 +420,5 @@ def test_exactness_verdict_tells_a_distribution_gap_from_a_token_gap():
                prompt_share_bound=0.954, exact_kl=0.0, kl_all_zero=True, kl_nonfinite=0)
     assert exactness_verdict(row).startswith("exact: all 736 tokens")
     assert "full distributions differ" in exactness_verdict(row | {"kl_all_zero": False})
+    assert "predates the count of non-finite terms" in exactness_verdict(row | {"kl_all_zero": False, "kl_nonfinite": float("nan")})
     assert "99.0% of tokens bitwise as sampled" in exactness_verdict(row | {"kl_all_zero": False, "sampled_bitwise": 0.99})

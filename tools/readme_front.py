@@ -26,11 +26,15 @@ def exactness_verdict(r) -> str:
     if is_exact(r):
         return (f"exact: all {r['tokens']:,} tokens of {r['prompts']} prompts, as sampled and rescored; KL 0 "
                 f"(prompt share >= {r['prompt_share_bound']:.1%}, exact 95% bound)")
-    nonfinite = float(r.get("kl_nonfinite", 0))  # (NaN in rows written before the count was kept)
+    nonfinite = float(r.get("kl_nonfinite", float("nan")))  # (NaN or absent in rows written before the count was kept)
     if not math.isnan(nonfinite) and nonfinite > 0:
         return f"not exact: {int(r['kl_nonfinite'])} KL terms not finite (an error in the measurement, not skipped)"
-    if r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1:  # the scored tokens agree, other vocabulary entries do not
-        return (f"not exact: every scored token bitwise ({r['tokens']:,} of {r['prompts']} prompts), but the full "
+    if r["sampled_bitwise"] == 1 and r["rescored_bitwise"] == 1:  # the scored tokens agree; some KL term is not 0
+        if math.isnan(nonfinite):  # a row from before non-finite terms were counted: one may have been skipped
+            return (f"not exact: every scored token bitwise ({r['tokens']:,} tokens, {r['prompts']} prompts), but not every "
+                    f"KL term is 0 (mean {r['exact_kl']:.3g} per token); the row predates the count of non-finite terms, "
+                    "which its mean skipped: re-measure with benchmarks/exactness.py")
+        return (f"not exact: every scored token bitwise ({r['tokens']:,} tokens, {r['prompts']} prompts), but the full "
                 f"distributions differ at some position (KL terms not all 0; mean {r['exact_kl']:.3g} per token)")
     return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
             f"{r['prompts_all_bitwise']} of {r['prompts']} prompts all bitwise; KL {r['exact_kl']:.3g} per token")
