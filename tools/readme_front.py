@@ -33,7 +33,7 @@ def exactness_verdict(r) -> str:
         if math.isnan(nonfinite):  # a row from before non-finite terms were counted: one may have been skipped
             return (f"not exact: every scored token bitwise ({r['tokens']:,} tokens, {r['prompts']} prompts), but not every "
                     f"KL term is 0 (mean {r['exact_kl']:.3g} per token); the row predates the count of non-finite terms, "
-                    "which its mean skipped: re-measure with benchmarks/exactness.py")
+                    "which its mean may have skipped: re-measure with benchmarks/exactness.py")
         return (f"not exact: every scored token bitwise ({r['tokens']:,} tokens, {r['prompts']} prompts), but the full "
                 f"distributions differ at some position (KL terms not all 0; mean {r['exact_kl']:.3g} per token)")
     return (f"not exact: {r['sampled_bitwise']:.1%} of tokens bitwise as sampled, {r['rescored_bitwise']:.1%} rescored; "
