@@ -19,7 +19,8 @@ importance-sampling correction and its `sampling/*` metrics from the engine's `s
 The trainer's log-probabilities are computed as the engine computes those it samples with (FP32 log-softmax of
 the LM head's logits, `_get_per_token_logps_and_entropies`), not by TRL's fused LM head, whose log-sum-exp differs
 in the last FP32 bit: with the engine-aligned model, TRL's own `sampling/sampling_logp_difference` then reads 0.
-For a plain `trl.GRPOTrainer`, the same override is a subclass of it with that method and `_engine_logprobs`.
+For a plain `trl.GRPOTrainer` (TRL's own vLLM rollouts, e.g. on CUDA), the same scoring is a mixin:
+`class Trainer(EngineScoring, GRPOTrainer)`.
 
 The mismatch is read from those two tensors of TRL's own, with its `completion_mask`, by
 `rla_lib.align.monitor.MismatchCallback` (keys and units in `rla_lib.align.monitor`): `mismatch/k1` (the paper's
@@ -147,7 +148,55 @@ class EngineWeightSync:
         self.engine.load_weights(self.model)
 
 
-class EngineGRPOTrainer(GRPOTrainer):
+class EngineScoring:
+    """The trainer's per-token logprobs computed as the engine computes those it samples with, for any
+    `trl.GRPOTrainer`: `class Trainer(EngineScoring, GRPOTrainer)`, everything else TRL's. With a model aligned to the
+    engine (`align_to_engine`), TRL's own `sampling/sampling_logp_difference` then reads exactly 0 and its importance
+    ratio 1 wherever the alignment is exact. `positions = "engine"` (default) numbers each row's tokens from its first
+    real one, as the engine does (TRL left-pads and passes no position ids); "trl" keeps TRL's numbering."""
+
+    positions = "engine"
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **images):
+        """TRL's per-token logprobs (and entropies) computed as the engine computes the logprobs it samples with: the
+        final hidden states through the LM head chunk by chunk, the logits cast to FP32, divided by the temperature and
+        log-softmaxed (`rla_lib.scoring`). TRL's own route (a fused LM head and a log-sum-exp) gives the same numbers
+        to within an FP32 ulp; this one gives the engine's bits, so an engine-aligned model's
+        `sampling/sampling_logp_difference` reads exactly 0. Images and the MoE aux loss take TRL's route."""
+        if compute_aux_loss or any(v is not None for v in images.values()):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, compute_entropy, compute_aux_loss, **images)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            lp, full = self._engine_logprobs(model, input_ids[rows], attention_mask[rows], logits_to_keep,
+                                             full=compute_entropy)
+            logps.append(lp)
+            if compute_entropy:
+                entropies.append(-(full.exp() * full).sum(-1))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    def _engine_logprobs(self, model, ids, mask, keep: int, full: bool = False):
+        """(B, keep) logprobs of the last `keep` tokens of each row, and with `full` the (B, keep, V) distributions
+        (computed without a graph), the engine's way (`_get_per_token_logps_and_entropies`)."""
+        base = self.accelerator.unwrap_model(model)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0) if self.positions == "engine" else None
+        with self.accelerator.autocast():
+            hidden = base.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        hidden, targets = hidden[:, -keep - 1 : -1], ids[:, -keep:]  # position t predicts token t + 1
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logps = head_logprobs(base.lm_head, flat, targets.reshape(-1), temperature=self.temperature).view(targets.shape)
+        if not full:
+            return logps, None
+        with torch.no_grad():
+            dist = torch.cat([log_softmax_at(base.lm_head(flat[s : s + 1024]), self.temperature)
+                              for s in range(0, flat.shape[0], 1024)])
+        return logps, dist.view(*targets.shape, -1)
+
+
+class EngineGRPOTrainer(EngineScoring, GRPOTrainer):
     """`trl.GRPOTrainer` whose rollouts come from `engine` (see the module docstring); every other argument is
     GRPOTrainer's (`rollout_func`, `tools` and `environment_factory` are taken: the Engine does the rollouts).
 
@@ -213,44 +262,6 @@ class EngineGRPOTrainer(GRPOTrainer):
             full = self._full_distributions(out) if self.exact_kl else (None, None)
             self.mismatch.record(out["sampling_per_token_logps"], out["old_per_token_logps"], mask, *full)
         return out
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **images):
-        """TRL's per-token logprobs (and entropies) computed as the engine computes the logprobs it samples with: the
-        final hidden states through the LM head chunk by chunk, the logits cast to FP32, divided by the temperature and
-        log-softmaxed (`rla_lib.scoring`). TRL's own route (a fused LM head and a log-sum-exp) gives the same numbers
-        to within an FP32 ulp; this one gives the engine's bits, so an engine-aligned model's
-        `sampling/sampling_logp_difference` reads exactly 0. Images and the MoE aux loss take TRL's route."""
-        if compute_aux_loss or any(v is not None for v in images.values()):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              batch_size, compute_entropy, compute_aux_loss, **images)
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            rows = slice(start, start + batch_size)
-            lp, full = self._engine_logprobs(model, input_ids[rows], attention_mask[rows], logits_to_keep,
-                                             full=compute_entropy)
-            logps.append(lp)
-            if compute_entropy:
-                entropies.append(-(full.exp() * full).sum(-1))
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
-
-    def _engine_logprobs(self, model, ids, mask, keep: int, full: bool = False):
-        """(B, keep) logprobs of the last `keep` tokens of each row, and with `full` the (B, keep, V) distributions
-        (computed without a graph), the engine's way (`_get_per_token_logps_and_entropies`)."""
-        base = self.accelerator.unwrap_model(model)
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0) if self.positions == "engine" else None
-        with self.accelerator.autocast():
-            hidden = base.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
-        hidden, targets = hidden[:, -keep - 1 : -1], ids[:, -keep:]  # position t predicts token t + 1
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        logps = head_logprobs(base.lm_head, flat, targets.reshape(-1), temperature=self.temperature).view(targets.shape)
-        if not full:
-            return logps, None
-        with torch.no_grad():
-            dist = torch.cat([log_softmax_at(base.lm_head(flat[s : s + 1024]), self.temperature)
-                              for s in range(0, flat.shape[0], 1024)])
-        return logps, dist.view(*targets.shape, -1)
 
     def _full_distributions(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sides' next-token log-probabilities at every completion position, (B, C, V) each: the engine's
