@@ -165,9 +165,11 @@ real-shape: setup
 	@test -f .cache/real-shape/qwen3-0.6b-shape/real_shape.json -a -f .cache/real-shape/qwen2-0.5b-shape/real_shape.json \
 		|| $(PY) -m rla_lib.real_shape
 
-# GRPO steps of the aligned model under FSDP2 on 2 gloo processes vs one process (tables/fsdp_equivalence.csv, ~1 min)
+# GRPO steps of the aligned model under FSDP2 on 2 gloo processes vs one process (tables/fsdp_equivalence.csv, ~1 min),
+# and the engine-aligned model under FSDP2 against the engine at every step (tables/fsdp_engine.csv, ~2 min)
 fsdp-grpo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 experiments/fsdp_grpo.py
+	$(PY) experiments/fsdp_grpo.py --engine
 
 bench: setup
 	$(PY) benchmarks/align_overhead.py

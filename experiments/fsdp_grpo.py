@@ -17,12 +17,24 @@ All of it twice: with the trainer's gradient clip (max_grad_norm 1.0, it binds h
 FSDP weights compared are those of its checkpoint (`results/fsdp_grpo/<arm>_clip_<max_grad_norm>/checkpoint.pt`,
 gathered on rank 0: step, weights and optimizer state, tensors and plain containers that `weights_only=True` loads).
 Rank 0 writes the table after every run has finished (atomically: a failed run leaves none).
+
+Against the engine (`--engine`, a plain process: vLLM starts its own distributed group, so it never runs inside the
+torchrun launch): the engine's schedule is read from compiled vLLM on this machine (cached); under torchrun, the
+training side, stock and aligned to it (`align_to_engine`), runs `steps` FSDP updates, and rank 0 keeps, per step, the sharded
+forward's logprobs of the whole batch and the weights that forward used; then one engine gets each step's weights in
+turn (`Engine.load_weights`, in place, as a trainer pushes them after each update) and scores the same sequences.
+Per step, the response tokens whose logprob is bitwise the engine's and the largest |difference| go to
+tables/fsdp_engine.csv.
+
+    .venv/bin/python experiments/fsdp_grpo.py --engine     # ~1-2 min: schedule, torchrun of 2 processes, engine
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from rla_lib import distributed, grpo, task
-from rla_lib.align import REGIONS
+from rla_lib.align import REGIONS, align_to_engine
+from rla_lib.engine_align import engine_schedule_for, engine_schedule_path
 from rla_lib.sides import align_config
 from rla_lib.grpo import GRPOConfig, Policy
 from rla_lib.models import load_model, load_tokenizer
@@ -130,6 +143,57 @@ def run_accumulated(cfg: GRPOConfig, batch: dict, world_size: int) -> dict:
     return dict(losses=losses, logprobs=torch.cat(old_lps), master=dict(policy.master.named_parameters()))
 
 
+def run_fsdp_engine_steps(cfg: GRPOConfig, batch: dict, rank: int, world_size: int, schedule: Path | None) -> list[dict]:
+    """`cfg.steps` FSDP updates of the training side aligned to `schedule` (None: stock); on rank 0, per step, the forward's logprobs
+    of the whole batch (gathered) and the FP32 weights it ran with (their BF16 rounding is what FSDP's mixed precision
+    computed in, and what the engine loads). Every rank takes part in the gathers."""
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.model, dtype="float32")
+    model.train()
+    if schedule is not None:
+        align_to_engine(model, schedule)
+    distributed.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+    mine = rows(batch, distributed.local_rows(len(batch["ids"]), rank, world_size))
+    global_tokens = int(batch["resp"].sum())
+    steps, old_lp = [], None
+    for step in range(1, cfg.steps + 1):
+        weights = distributed.full_state(model, opt)["master"]  # before the update: what this step's forward reads
+        _, _, new_lp = distributed.grpo_step(model, opt, mine, old_lp, cfg.clip, cfg.max_grad_norm, global_tokens)
+        old_lp = new_lp if old_lp is None else old_lp
+        gathered = [torch.empty_like(new_lp) for _ in range(world_size)]
+        dist.all_gather(gathered, new_lp)
+        if rank == 0:
+            steps.append(dict(step=step, logprobs=torch.cat(gathered), master=weights))
+    return steps
+
+
+def compare_with_engine(path: Path, table: Path, model: str) -> pd.DataFrame:
+    """Each saved step's weights into one running engine, its scoring of the batch against the sharded forward's."""
+    from rla_lib.engine import Engine
+    from rla_lib.machine import describe
+
+    saved = torch.load(path, weights_only=True)
+    ids, attn, resp = saved["batch"]["ids"], saved["batch"]["attn"], saved["batch"]["resp"].bool()
+    sequences = [row[: int(n)].tolist() for row, n in zip(ids, attn.sum(1))]
+    out = []
+    with Engine(model, mode="compiled", seed=0) as engine:
+        for arm, step in ((arm, step) for arm, steps in saved["arms"].items() for step in steps):
+            engine.load_weights(step["master"])
+            scores = engine.score(sequences, progress=False)
+            engine_lp = torch.zeros_like(step["logprobs"])
+            for i, s in enumerate(scores):
+                engine_lp[i, : len(s.token_logprobs)] = torch.from_numpy(s.token_logprobs)
+            training = step["logprobs"][resp]
+            out.append(dict(arm=arm, step=step["step"], world_size=saved["world_size"], rows=len(sequences),
+                            response_tokens=int(resp.sum()),
+                            bitwise=float((engine_lp[resp] == training).float().mean()),
+                            max_abs_diff=float((engine_lp[resp] - training).abs().max()), cpu=describe()))
+    result = pd.DataFrame(out)
+    save_table(result, table.stem, dict(model=model, schedule=saved["schedule"], torch=torch.__version__), table.parent)
+    return result
+
+
 def adamw_bound(steps: int, betas=(0.9, 0.999)) -> float:
     """Largest |update| / lr AdamW can make in `steps` steps, whatever the gradients (no weight decay, eps -> 0):
     by Cauchy-Schwarz |m_hat / sqrt(v_hat)| <= (1-b1)/(1-b1^t) * sqrt((1-b2^t)/(1-b2) * sum_k<t (b1^2/b2)^k)."""
@@ -207,12 +271,27 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--table", default=str(ROOT / "tables" / "fsdp_equivalence.csv"))
     parser.add_argument("--checkpoints", default=str(RESULTS_DIR / "fsdp_grpo"))
+    parser.add_argument("--engine", action="store_true",
+                        help="the engine-aligned arm against the engine at every step (a plain process: it launches torchrun)")
+    parser.add_argument("--engine-steps", action="store_true", help=argparse.SUPPRESS)  # --engine's torchrun part
+    parser.add_argument("--engine-table", default=str(ROOT / "tables" / "fsdp_engine.csv"))
     args = parser.parse_args(argv)
+    steps_file = Path(args.checkpoints) / "engine_steps.pt"
+    if args.engine:
+        engine_schedule_for(args.model, "compiled")  # read from the engine once per machine, here and not under torchrun
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world_size),
+                  __file__, *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--engine"], "--engine-steps"]
+        subprocess.run(launch, check=True)
+        print(compare_with_engine(steps_file, Path(args.engine_table), args.model).to_string(index=False))
+        return
 
     rank, world_size = distributed.init_process_group(args.world_size, args.prompts * args.group_size)
     try:
         torch.set_num_threads(1)  # one core per process; the single-process references run with the same
         batch = fixed_batch(args.model, args.prompts, args.group_size, args.seed)
+        if args.engine_steps:
+            run_engine_steps(args, batch, rank, world_size, steps_file)
+            return
         tables = []
         for max_grad_norm in args.max_grad_norm:
             cfg = GRPOConfig(model=args.model, steps=args.steps, lr=args.lr, seed=args.seed, max_grad_norm=max_grad_norm,
@@ -235,6 +314,21 @@ def main(argv=None) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def run_engine_steps(args, batch: dict, rank: int, world_size: int, steps_file: Path) -> None:
+    """The engine-aligned FSDP run (`run_fsdp_engine_steps`), its steps kept by rank 0 for `--engine-compare`."""
+    schedule = engine_schedule_path(args.model, "compiled")
+    if not schedule.exists():
+        raise SystemExit(f"{schedule} is missing: run experiments/fsdp_grpo.py --engine (it reads the schedule first)")
+    cfg = GRPOConfig(model=args.model, steps=args.steps, lr=args.lr, seed=args.seed, max_grad_norm=args.max_grad_norm[0],
+                     prompts_per_step=args.prompts, group_size=args.group_size)
+    arms = {arm: run_fsdp_engine_steps(cfg, batch, rank, world_size, source)
+            for arm, source in (("stock", None), ("engine-aligned", schedule))}
+    if rank == 0:
+        kept = dict(arms=arms, batch=batch, world_size=world_size, schedule=str(schedule))
+        atomic_write(steps_file, lambda p: torch.save(kept, p))
+    dist.barrier()
 
 
 if __name__ == "__main__":

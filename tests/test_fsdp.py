@@ -110,3 +110,26 @@ def test_fsdp_grpo_matches_single_process(tmp_path):
         checkpoint = torch.load(tmp_path / "checkpoints" / f"{arm}_clip_inf" / "checkpoint.pt", weights_only=True)
         load_model("qwen3-tiny", dtype="float32").load_state_dict(checkpoint["master"], strict=True)
         assert checkpoint["step"] == 3 and checkpoint["opt"]["state"]
+
+
+@pytest.mark.engine  # the schedule (cached), two FSDP processes, then one engine: about 2 minutes
+def test_fsdp_engine_aligned_is_the_engine_at_every_step(tmp_path):
+    """FSDP2 on 2 processes, the training side aligned to the engine's schedule: at each step, with the step's weights
+    in the engine, every response token's logprob is the engine's bit for bit (on the CPUs where engine-aligned
+    exactness is measured); the stock arm is not, on the same tokens and steps."""
+    from rla_lib.engine_align import kernel_numerics
+    from rla_lib.machine import vllm_cpu_attention_kernel
+    from test_engine_align import MEASURED_EXACT
+
+    table_path = tmp_path / "fsdp_engine.csv"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--engine", "--steps", "2", "--max-grad-norm", "inf",
+                             "--checkpoints", str(tmp_path / "checkpoints"), "--engine-table", str(table_path)],
+                            capture_output=True, text=True, timeout=HANG_GUARD_S * 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = pd.read_csv(table_path).set_index(["arm", "step"])
+    assert list(table.index) == [("stock", 1), ("stock", 2), ("engine-aligned", 1), ("engine-aligned", 2)]
+    assert (table.response_tokens > 0).all()
+    assert (table.loc["stock", "bitwise"] < 1).all()  # the check bites: stock BF16 under FSDP is not the engine's
+    if kernel_numerics() is not None and vllm_cpu_attention_kernel() in MEASURED_EXACT:
+        aligned = table.loc["engine-aligned"]
+        assert (aligned.bitwise == 1).all() and (aligned.max_abs_diff == 0).all(), aligned
