@@ -310,6 +310,21 @@ def block_fsdp() -> str:
                                    "weight gap / training change"], rows), source("fsdp_equivalence", meta)])
 
 
+def block_fsdp_engine() -> str:
+    t, meta = load_table("fsdp_engine")
+    rows = [[r["arm"], int(r["step"]), f"{int(r['response_tokens'])}", f"{r['bitwise']:.1%}", f"{r['max_abs_diff']:.3g}"]
+            for _, r in t.iterrows()]
+    r0 = t.iloc[0]
+    aligned = t[t["arm"] == "engine-aligned"]
+    verdict = (f"engine-aligned under FSDP2 is the engine's, bit for bit, at all {len(aligned)} steps"
+               if ((aligned["bitwise"] == 1) & (aligned["max_abs_diff"] == 0)).all() and len(aligned)
+               else "engine-aligned under FSDP2 is NOT the engine's at every step")
+    return "\n\n".join([f"{r0['world_size']} processes (gloo), {r0['rows']} responses; each step's weights in the engine "
+                         f"before it scores: {verdict}.", md_table(["training side", "step", "response tokens",
+                                                                     "bitwise the engine's", "largest difference"], rows),
+                         source("fsdp_engine", meta)])
+
+
 def block_trl() -> str:
     t, meta = load_table("trl_mismatch")
     first = t[t["step"] == t["step"].min()].set_index("arm")
@@ -559,6 +574,7 @@ BLOCKS = {
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),
+    "fsdp-engine": measured_by(".venv/bin/python experiments/fsdp_grpo.py --engine", block_fsdp_engine),
     "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
     "suite-repeats": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py --repeat 3 [--load]", block_suite_repeats),
