@@ -44,46 +44,48 @@ class Point:
     handed_over: bool = False  # also an engine module's output, the next module's input (where op_check compares)
     qwen3_only: bool = False  # Qwen3's Q/K norm
     keepable: bool = False  # a `Schedule` may keep it in FP32 (the next op reads FP32; a GEMM's input cannot)
+    read_as: tuple = ()  # the values `rla_lib.graphs` reads it as in an engine's code (`graphs.points.LAYER_POINTS`)
 
 
 # Every rounding point of a decoder layer, in the order the layer computes them, then the model's last norm's
 ROUNDING_POINTS = (
-    Point("input_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
-    Point("input_norm.weight", "RMSNorm *weight", True, handed_over=True),
-    Point("q_proj", "projection", False, handed_over=True),
-    Point("k_proj", "projection", False, handed_over=True),
-    Point("v_proj", "projection", False, handed_over=True),
-    Point("q_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True),
-    Point("q_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True),
-    Point("k_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True),
-    Point("k_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True),
-    Point("rope.q_cos", "RoPE product", True, keepable=True),
-    Point("rope.q_sin", "RoPE product", True, keepable=True),
-    Point("rope.q_sum", "RoPE sum", True),
-    Point("rope.k_cos", "RoPE product", True, keepable=True),
-    Point("rope.k_sin", "RoPE product", True, keepable=True),
-    Point("rope.k_sum", "RoPE sum", True),
-    Point("attention", "attention", False, handed_over=True),
-    Point("o_proj", "projection", False, handed_over=True),
-    Point("residual_attn", "residual sum", True, keepable=True),
-    Point("post_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
-    Point("post_norm.weight", "RMSNorm *weight", True, handed_over=True),
-    Point("gate_proj", "projection", False, handed_over=True),
-    Point("up_proj", "projection", False, handed_over=True),
-    Point("silu", "SiLU", True, keepable=True),
-    Point("swiglu", "SwiGLU product", True, handed_over=True),
-    Point("down_proj", "projection", False, handed_over=True),
-    Point("residual_mlp", "residual sum", True, keepable=True),
+    Point("input_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True, read_as=("input_norm.normalized",)),
+    Point("input_norm.weight", "RMSNorm *weight", True, handed_over=True, read_as=("input_norm.output",)),
+    Point("q_proj", "projection", False, handed_over=True, read_as=("qkv_proj.output",)),
+    Point("k_proj", "projection", False, handed_over=True, read_as=("qkv_proj.output",)),
+    Point("v_proj", "projection", False, handed_over=True, read_as=("qkv_proj.output",)),
+    Point("q_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True, read_as=("qk_norm.normalized",)),
+    Point("q_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True, read_as=("qk_norm.output",)),
+    Point("k_norm.rsqrt", "Q/K norm x*rsqrt", True, qwen3_only=True, keepable=True, read_as=("qk_norm.normalized",)),
+    Point("k_norm.weight", "Q/K norm *weight", True, qwen3_only=True, keepable=True, read_as=("qk_norm.output",)),
+    Point("rope.q_cos", "RoPE product", True, keepable=True, read_as=("rope.products",)),
+    Point("rope.q_sin", "RoPE product", True, keepable=True, read_as=("rope.products",)),
+    Point("rope.q_sum", "RoPE sum", True, read_as=("rope.output",)),
+    Point("rope.k_cos", "RoPE product", True, keepable=True, read_as=("rope.products",)),
+    Point("rope.k_sin", "RoPE product", True, keepable=True, read_as=("rope.products",)),
+    Point("rope.k_sum", "RoPE sum", True, read_as=("rope.output",)),
+    Point("attention", "attention", False, handed_over=True, read_as=("attention.output",)),
+    Point("o_proj", "projection", False, handed_over=True, read_as=("o_proj.output",)),
+    Point("residual_attn", "residual sum", True, keepable=True, read_as=("post_norm.sum",)),
+    Point("post_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True, read_as=("post_norm.normalized",)),
+    Point("post_norm.weight", "RMSNorm *weight", True, handed_over=True, read_as=("post_norm.output",)),
+    Point("gate_proj", "projection", False, handed_over=True, read_as=("gate_up_proj.output",)),
+    Point("up_proj", "projection", False, handed_over=True, read_as=("gate_up_proj.output",)),
+    Point("silu", "SiLU", True, keepable=True, read_as=("swiglu.silu",)),
+    Point("swiglu", "SwiGLU product", True, handed_over=True, read_as=("swiglu.output",)),
+    Point("down_proj", "projection", False, handed_over=True, read_as=("down_proj.output",)),
+    Point("residual_mlp", "residual sum", True, keepable=True, read_as=("input_norm.sum", "final_norm.sum")),
 )
 FINAL_ROUNDING_POINTS = (
-    Point("final_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True),
-    Point("final_norm.weight", "RMSNorm *weight", True, handed_over=True),
+    Point("final_norm.rsqrt", "RMSNorm x*rsqrt", True, keepable=True, read_as=("final_norm.normalized",)),
+    Point("final_norm.weight", "RMSNorm *weight", True, handed_over=True, read_as=("final_norm.output",)),
 )
 # Values the model carries between modules: cos/sin from the rotary embedding to every layer's RoPE (stock: cast to
 # the model dtype), and the residual stream from one add to the next (stock: the rounded sum the norm also reads).
 CARRIED_ROUNDING_POINTS = (
-    Point("rope.cos_sin", "RoPE cos/sin", True, keepable=True),
-    Point("residual_stream", "residual carried", True, keepable=True),
+    Point("rope.cos_sin", "RoPE cos/sin", True, keepable=True, read_as=("rope.cos_sin",)),
+    Point("residual_stream", "residual carried", True, keepable=True,
+          read_as=("input_norm.carried", "post_norm.carried", "final_norm.carried")),
 )
 POINTS = tuple(p.name for p in ROUNDING_POINTS)
 FINAL_POINTS = tuple(p.name for p in FINAL_ROUNDING_POINTS)

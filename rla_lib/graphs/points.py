@@ -12,6 +12,8 @@ import dataclasses
 from collections import Counter
 from enum import Enum
 
+from ..align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_ROUNDING_POINTS, ROUNDING_POINTS
+
 # (key, region, what) for every decoder layer, in chain order
 LAYER_POINTS = [
     ("input_norm.sum", "input norm", "residual sum, as the norm reads it"),
@@ -43,24 +45,11 @@ FINAL_POINTS = [
     ("lm_head.output", "lm_head", "logits"),
 ]
 POINT_INFO = {k: (r, w) for k, r, w in LAYER_POINTS + FINAL_POINTS}
-# The rounding points of the training side's layer (`rla_lib.align.modeling_qwen`, the one list of them) each value
-# read here stands for: an engine module computes q/k/v, gate/up and q/k together; a norm's input sum is the residual
-# sum before it (the previous layer's `residual_mlp` for an input norm)
-ROUNDING_POINTS_READ = {
-    "input_norm.sum": ("residual_mlp",), "input_norm.carried": ("residual_stream",),
-    "input_norm.normalized": ("input_norm.rsqrt",), "input_norm.output": ("input_norm.weight",),
-    "qkv_proj.output": ("q_proj", "k_proj", "v_proj"),
-    "qk_norm.normalized": ("q_norm.rsqrt", "k_norm.rsqrt"), "qk_norm.output": ("q_norm.weight", "k_norm.weight"),
-    "rope.cos_sin": ("rope.cos_sin",), "rope.products": ("rope.q_cos", "rope.q_sin", "rope.k_cos", "rope.k_sin"),
-    "rope.output": ("rope.q_sum", "rope.k_sum"), "attention.output": ("attention",), "o_proj.output": ("o_proj",),
-    "post_norm.sum": ("residual_attn",), "post_norm.carried": ("residual_stream",),
-    "post_norm.normalized": ("post_norm.rsqrt",), "post_norm.output": ("post_norm.weight",),
-    "gate_up_proj.output": ("gate_proj", "up_proj"), "swiglu.silu": ("silu",), "swiglu.output": ("swiglu",),
-    "down_proj.output": ("down_proj",),
-    "final_norm.sum": ("residual_mlp",), "final_norm.carried": ("residual_stream",),
-    "final_norm.normalized": ("final_norm.rsqrt",), "final_norm.output": ("final_norm.weight",),
-    "lm_head.output": (),  # the logits: after the last rounding point
-}
+# The training side's rounding points (`rla_lib.align.modeling_qwen`, the one list of them) each value read here stands
+# for (their `read_as`): an engine module computes q/k/v, gate/up and q/k together; a norm's input sum is the residual
+# sum before it (the previous layer's `residual_mlp` for an input norm); the logits come after the last point
+ROUNDING_POINTS_READ = {key: tuple(p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS
+                                   if key in p.read_as) for key, _, _ in LAYER_POINTS + FINAL_POINTS}
 FINAL = "final"  # the layer label of FINAL_POINTS
 
 
