@@ -160,10 +160,12 @@ def change_cell(relative: float, low: float, high: float, kl_after: float, token
     return pct_ci(relative, low, high)
 
 
-def source(name: str, meta: dict) -> str:
-    """Where a block's numbers come from: file, date, commit, machine."""
+def source(name: str, meta: dict, collected: bool = False) -> str:
+    """Where a block's numbers come from: file, date, commit, machine. `collected`: a table that keeps the rows of every
+    CPU it was run on (each row names its CPU), so the machine is the one that last added rows."""
+    where = "last rows added on" if collected else "measured on"
     return (f"_From `tables/{name}.csv` (written {meta.get('written', '?')[:10]}, commit {meta.get('commit') or '?'}; "
-            f"measured on {describe(meta.get('machine', {}))})._")
+            f"{where} {describe(meta.get('machine', {}))})._")
 
 
 def main(argv=None) -> int:

@@ -201,7 +201,7 @@ def block_exactness() -> str:
     p = meta.get("params", {})
     setting = (f"_{p.get('prompts')} held-out prompts x {p.get('samples')} samples of up to {p.get('max_tokens')} tokens "
                "per row (the last run's settings)._")
-    return "\n\n".join([table, setting, source("exactness", meta)])
+    return "\n\n".join([table, setting, source("exactness", meta, collected=True)])
 
 
 MEASURE_MODELS = ("qwen3-tiny", "qwen2-tiny")  # `make measure-example`: rla measure on each, tables/measure-<model>/

@@ -87,7 +87,7 @@ def block_front_exactness() -> str:
     header = ["CPU kind", "stock BF16: tokens bitwise"] + [f"engine-aligned at {level}" for level in levels]
     p = meta.get("params", {})
     setting = f"({p.get('prompts')} held-out prompts x {p.get('samples')} samples per cell.)"
-    notes = (["Not exact: " + "; ".join(misses) + "."] if misses else []) + [setting, source("exactness", meta)]
+    notes = (["Not exact: " + "; ".join(misses) + "."] if misses else []) + [setting, source("exactness", meta, collected=True)]
     return md_table(header, rows) + "\n\n" + " ".join(notes)
 
 
