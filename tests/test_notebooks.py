@@ -162,3 +162,17 @@ def calls_save_table(nb_path) -> bool:
     """Whether a code cell of the notebook calls `save_table` (the notebooks that write result tables)."""
     cells = json.loads(nb_path.read_text())["cells"]
     return any("save_table(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_every_figure_has_a_caption():
+    """Each cell that saves a figure is followed by its caption: a markdown cell opening with "*Figure:", saying what
+    the figure shows and what to look for."""
+    missing = []
+    for nb_path in NOTEBOOKS:
+        cells = json.loads(nb_path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code" and "save_figure(" in "".join(cell["source"]):
+                after = cells[i + 1] if i + 1 < len(cells) else None
+                if after is None or after["cell_type"] != "markdown" or not "".join(after["source"]).startswith("*Figure: "):
+                    missing.append(f"{nb_path.name}, cell {i}")
+    assert not missing, f"figures without a caption cell right after them: {missing}"
