@@ -13,7 +13,8 @@ tokens with every training side (`rla_lib.mismatch_report`), prints the mismatch
 paired change against stock BF16 and the bitwise share, says which configuration to use, and writes the same as
 `measure.csv` and `measure.json` in --out. Bad input (no such model, an architecture rla does not align, a missing
 or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
-refused before any engine starts.
+refused before any engine starts. `--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
+gated side's KL and interval per mode, and exit status 3 when that side's KL exceeds X in any mode (2 is bad input).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from .models import load_tokenizer, resolve_model
 from .paths import RESULTS_DIR
 from .prompts import check_room, prompt_ids, read_prompts
 from .report import save_table
+
+GATE_FAILED = 3  # `rla measure --max-kl`: the mismatch is past the threshold (2: the input was refused)
 
 
 def cmd_env(args) -> int:
@@ -66,6 +69,10 @@ def cmd_measure(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder for measure.csv and measure.json")
+    if args.max_kl is not None and not args.max_kl >= 0:
+        raise ValueError(f"--max-kl {args.max_kl}: a KL in nats per token, 0 or more")
+    if args.max_kl is not None and args.gate_side not in gate_sides(args):
+        raise ValueError(f"--gate-side {args.gate_side!r}: one of {', '.join(repr(s) for s in gate_sides(args))}")
     ids = prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)
     check_room(ids, args.max_tokens, default_context(spec))  # everything checked: engines start from here
     configs = mismatch_report.configs(spec.path, modes, engine_aligned=not args.no_engine_aligned)
@@ -82,7 +89,15 @@ def cmd_measure(args) -> int:
     print(f"{spec.path.name}: {len(ids)} prompts x {args.samples} samples, up to {args.max_tokens} tokens; KL in nats per "
           "token, 95% intervals over prompts; change: paired, against stock BF16 on the same tokens\n")
     print(mismatch_report.text_table(df) + "\n\n" + "\n".join(advice) + f"\n\nwritten: {out / 'measure.csv'}, {out / 'measure.json'}")
-    return 0
+    if args.max_kl is None:
+        return 0
+    passed, reason = mismatch_report.gate(df, args.gate_side, args.max_kl)
+    print(f"rla measure: {reason}")
+    return 0 if passed else GATE_FAILED
+
+
+def gate_sides(args) -> list[str]:
+    return [*mismatch_report.SIDES, *([] if args.no_engine_aligned else [mismatch_report.ENGINE_ALIGNED])]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     mea.add_argument("--cache", default=str(RESULTS_DIR / "mismatch"), help="scores kept here; a rerun scores only what is missing")
     mea.add_argument("--no-cache", action="store_true", help="keep nothing between runs")
     mea.add_argument("--quiet", action="store_true", help="no progress bars")
+    mea.add_argument("--max-kl", type=float, help=f"a CI gate: exit {GATE_FAILED} when the gated side's KL (nats per token, "
+                     "exact where measured, else k3) exceeds this in any mode")
+    mea.add_argument("--gate-side", default=mismatch_report.ENGINE_ALIGNED,
+                     help="the training side --max-kl checks (default: engine-aligned; e.g. 'stock BF16')")
     mea.set_defaults(run=cmd_measure)
     return p
 

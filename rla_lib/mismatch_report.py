@@ -102,6 +102,25 @@ def text_table(df: pd.DataFrame) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def gate(df, side: str, max_kl: float) -> tuple[bool, str]:
+    """A trainer's CI check on a `summary`: does `side`'s mismatch stay within `max_kl` (nats per token) in every engine
+    mode? The exact KL where the run has it, else k3; the estimate is compared (its interval is reported beside it).
+    Returns (passed, one line saying why)."""
+    rows = df[df["training side"] == side]
+    if rows.empty:
+        raise ValueError(f"no training side {side!r} in this measurement (sides: {', '.join(dict.fromkeys(df['training side']))})")
+    worst, verdicts = None, []
+    for _, r in rows.iterrows():
+        e = "exact" if r["exact"] == r["exact"] else "k3"  # NaN: no exact KL in this run
+        verdicts.append((r[e] > max_kl, r[e], f"{side} vs vLLM {r['mode']}: {'exact KL' if e == 'exact' else 'k3'} "
+                         f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}] nats per token"))
+        worst = verdicts[-1] if worst is None or verdicts[-1][1] > worst[1] else worst
+    failed = [text for over, _, text in verdicts if over]
+    if failed:
+        return False, f"FAIL: {'; '.join(failed)} > --max-kl {max_kl:g}"
+    return True, f"PASS: {worst[2]} <= --max-kl {max_kl:g} (the largest of {len(verdicts)} mode(s))"
+
+
 def advice(df: pd.DataFrame) -> list[str]:
     """Per mode, computed from the rows: the configuration to use (the lowest mismatch among those whose paired change
     lies below zero; bit for bit beats any estimate), or that none lowers it beyond the prompt-to-prompt noise."""

@@ -81,6 +81,8 @@ def chat_prompts(tmp_path, n: int):
     ("too long", "does not fit the engine's context of 64"),
     ("bad mode", "a comma-separated list of compiled, eager"),
     ("out is a file", "is a file: give a folder"),
+    ("negative gate", "--max-kl -1.0: a KL in nats per token, 0 or more"),
+    ("unknown gate side", "--gate-side 'nope': one of 'stock BF16'"),
 ])
 def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, tmp_path, case, message):
     monkeypatch.setattr(mismatch_report, "engine_schedule_for", None)  # any engine start would fail loudly
@@ -90,7 +92,8 @@ def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, 
     args = {"model": "qwen3-tiny", "prompts": str(prompts), "out": str(tmp_path / "out"), "modes": "compiled"}
     args |= {"no model": {"model": "/nonexistent/ckpt"}, "no prompt file": {"prompts": str(tmp_path / "none.jsonl")},
              "chat without a template": {"prompts": str(chat_prompts(tmp_path, 2))}, "bad mode": {"modes": "compiled,fast"},
-             "out is a file": {"out": str(prompts)}}.get(case, {})
+             "out is a file": {"out": str(prompts)}, "negative gate": {"max-kl": "-1"},
+             "unknown gate side": {"max-kl": "1e-4", "gate-side": "nope"}}.get(case, {})
     assert cli.main(["measure", *[x for k, v in args.items() for x in (f"--{k}", v)]]) == 2
     assert message in capsys.readouterr().err
 
@@ -118,6 +121,13 @@ def test_measure_on_chat_prompts_of_a_checkpoint_with_a_template(tmp_path, capsy
     if vllm_cpu_attention_kernel() in MEASURED_EXACT:
         assert engine_aligned["bitwise"] == 1 and engine_aligned["exact"] == 0, describe()
         assert "use engine-aligned" in meta["params"]["advice"][0]
+    # as a CI gate on the same scores (cached): stock BF16's largest KL passes a threshold above it, fails one below
+    stock = df[df["training side"] == "stock BF16"]["exact"].max()
+    assert stock > 0
+    gated = [*argv, "--gate-side", "stock BF16", "--max-kl"]
+    assert cli.main([*gated, f"{stock * 1.01:.6g}"]) == 0 and "rla measure: PASS: stock BF16" in capsys.readouterr().out
+    assert cli.main([*gated, f"{stock * 0.99:.6g}"]) == cli.GATE_FAILED
+    assert "rla measure: FAIL: stock BF16 vs vLLM eager: exact KL" in capsys.readouterr().out
     # the engine answered the template's rendering of each chat (it ends in the "=" the template adds)
     run = MismatchRun.load(next((tmp_path / "cache").glob("*/samples.npz")))
     tokenizer = load_tokenizer(model)
@@ -139,3 +149,24 @@ def test_the_printed_table_shows_no_interval_of_zero_width():
     assert not re.search(r"\[([-+\d.e%]+), \1\]", printed), printed
     assert "none of 96 tokens of 8 prompts (prompt share <=" in printed and "all 96 tokens of 8 prompts" in printed
     assert "0 on all 96 tokens" in printed and "alike on every prompt" in printed
+
+
+def test_the_ci_gate_passes_and_fails_on_either_side_of_its_threshold():
+    """`mismatch_report.gate`: the gated side's KL in every mode against the threshold, exact KL where measured, else
+    k3; one line saying which mode failed and by how much."""
+    def row(mode, side, exact, k3=2e-4):
+        return {"mode": mode, "training side": side, "exact": exact, "exact ci_low": exact / 2, "exact ci_high": exact * 2,
+                "k3": k3, "k3 ci_low": k3 / 2, "k3 ci_high": k3 * 2}
+
+    df = pd.DataFrame([row("compiled", "stock BF16", 1e-4), row("eager", "stock BF16", 3e-4),
+                       row("compiled", mismatch_report.ENGINE_ALIGNED, 0.0)])
+    passed, line = mismatch_report.gate(df, "stock BF16", 5e-4)
+    assert passed and line.startswith("PASS: stock BF16 vs vLLM eager: exact KL 0.0003 [0.00015, 0.0006]")
+    passed, line = mismatch_report.gate(df, "stock BF16", 2e-4)
+    assert not passed and line == "FAIL: stock BF16 vs vLLM eager: exact KL 0.0003 [0.00015, 0.0006] nats per token > --max-kl 0.0002"
+    assert mismatch_report.gate(df, mismatch_report.ENGINE_ALIGNED, 0.0)[0]  # 0 <= 0: an exact side passes a zero gate
+    no_exact = pd.DataFrame([row("compiled", "stock BF16", float("nan"), k3=4e-4)])
+    assert mismatch_report.gate(no_exact, "stock BF16", 1e-4) == (
+        False, "FAIL: stock BF16 vs vLLM compiled: k3 0.0004 [0.0002, 0.0008] nats per token > --max-kl 0.0001")
+    with pytest.raises(ValueError, match="no training side 'RoPE only'"):
+        mismatch_report.gate(df, "RoPE only", 1e-4)
