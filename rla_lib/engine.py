@@ -187,7 +187,7 @@ class Engine:
 
     # ---- sampling ---------------------------------------------------------------------------
     @guest_call
-    def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int = 0,
+    def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int | None = 0,
                progress: bool | None = None, logit_noise: float = 0.0, full: bool = False):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
 
@@ -198,7 +198,8 @@ class Engine:
 
         Each `Sample.logprobs` entry is the sampled token's logprob under the distribution it was drawn
         from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
-        not depend on how prompts are batched.
+        not depend on how prompts are batched; `seed=None` leaves the requests unseeded (vLLM-CPU cannot seed a request
+        whose prompt is prefilled in chunks).
         """
         if full and not self.spec.small_vocab:
             raise ValueError(f"full=True needs a small vocabulary (at most {FULL_VOCAB_LIMIT}); this model has "
@@ -209,7 +210,8 @@ class Engine:
         prompt_ids = self._fit(prompts, 1)  # vLLM stops a response at the context end; a prompt must fit
         params = [
             self._vllm.SamplingParams(
-                n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + i, logprobs=-1 if full else 0,
+                n=n, temperature=temperature, max_tokens=max_tokens, seed=None if seed is None else seed + i,
+                logprobs=-1 if full else 0,
                 stop_token_ids=[self.spec.eos_token_id], flat_logprobs=True,
                 detokenize=False,  # vLLM would decode every token and every logprob's token as it goes: once below
 

