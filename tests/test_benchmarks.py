@@ -31,6 +31,7 @@ FIGURES = {
     "bf16_matmul.py": rf"^\s*\w+\s+\w+\s+\w+\s+float32(\s+{NUMBER}){{6}}$",
     "engine_start.py": rf"^alone\s+eager\s+start\s+{NUMBER} s\s+sample\s+{NUMBER} s\s+close\s+{NUMBER} s$",
     "exactness.py": rf"^\s*qwen3-tiny\s+eager\s+engine-aligned\s+\d+\s+\d+\s+{NUMBER}\s+{NUMBER}\s",
+    "engine_settings.py": rf"^\s*chunked prefill\s+qwen3-tiny\s+compiled\s+\d+\s+.*\s+{NUMBER}\s",
     "fresh_clone_test.py": r"^dry run at [0-9a-f]{7,}: cloned and checked out; its README blocks match its tables\. "
                            r"A run would take `make setup`, then `make test`",
     "grpo_step.py": rf"^\s+total: {NUMBER} s\s+\(mean response length {NUMBER} tokens; \d+ real tokens per step",
