@@ -310,6 +310,31 @@ def block_fsdp() -> str:
                                    "weight gap / training change"], rows), source("fsdp_equivalence", meta)])
 
 
+def block_engine_settings() -> str:
+    t, meta = load_table("engine_settings")
+    rows, verdicts = [], []
+    for _, r in t.iterrows():
+        sampled = "cannot sample: " + r["sampling_error"] if isinstance(r["sampling_error"], str) else f"{r['sampled_bitwise']:.1%}"
+        kl = "0 (every term)" if r["kl_all_zero"] is True or r["kl_all_zero"] == "True" else (
+            "none (no samples)" if r["exact_kl"] != r["exact_kl"] else f"{r['exact_kl']:.3g}")
+        rows.append([r["cpu"], r["level"], f"{r['model']} vs {r['mode']}", r["setting"], sampled, f"{r['rescored_bitwise']:.1%}",
+                     kl, f"{int(r['prompts_all_bitwise'])} of {int(r['prompts'])}"])
+        exact = r["rescored_bitwise"] == 1 and (r["sampled_bitwise"] == 1 or r["sampled_bitwise"] != r["sampled_bitwise"]) \
+            and r["kl_nonfinite"] == 0 and (kl.startswith("0") or kl.startswith("none"))
+        verdicts.append((r["setting"], exact, isinstance(r["sampling_error"], str)))
+    summary = []
+    for setting in dict.fromkeys(s for s, _, _ in verdicts):
+        mine = [(e, failed) for s, e, failed in verdicts if s == setting]
+        words = f"{setting}: exact in {sum(e for e, _ in mine)} of {len(mine)} cells"
+        if failed := sum(f for _, f in mine):  # then only re-scoring was compared
+            words += f" as re-scored, and could not sample in {failed} of them (the engine build, not the alignment)"
+        summary.append(words)
+    summary = "; ".join(summary)
+    return "\n\n".join([md_table(["CPU", "level", "model vs vLLM", "setting", "tokens bitwise as sampled",
+                                   "as re-scored", "exact KL", "prompts all bitwise"], rows),
+                         f"Engine-aligned, by setting: {summary}.", source("engine_settings", meta, collected=True)])
+
+
 def block_fsdp_engine() -> str:
     t, meta = load_table("fsdp_engine")
     rows = [[r["arm"], int(r["step"]), f"{int(r['response_tokens'])}", f"{r['bitwise']:.1%}", f"{r['max_abs_diff']:.3g}"]
@@ -574,6 +599,7 @@ BLOCKS = {
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),
+    "engine-settings": measured_by(".venv/bin/python benchmarks/engine_settings.py", block_engine_settings),
     "fsdp-engine": measured_by(".venv/bin/python experiments/fsdp_grpo.py --engine", block_fsdp_engine),
     "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
