@@ -290,7 +290,7 @@ def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
     (columns run, sweep, config, seed, step, eval_accuracy, eval_prompts, t_*; one sweep tag per candidate and step
     size). Per candidate: the registered seeds run to the end, those that learn (the mean of the last `LEARN_LAST`
     evaluations above the first by more than NOISE_Z binomial standard errors of that difference), collapses, the mean
-    gain and the median core-hours of a run's steps; `learns` once every registered seed has finished: at least 2 seeds
+    gain and the median core-hours of a run's training steps (`step_core_hours`: its step timers; the evaluations are not timed); `learns` once every registered seed has finished: at least 2 seeds
     learn and none collapses. Returns the table and the decision: the regime R (the largest mean gain of those that
     learn; ties: the fewer core-hours), "none learns" (the study stops at stage 0), or "incomplete" with what is left."""
     import pandas as pd
@@ -316,13 +316,13 @@ def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
         complete = done == seeds
         rows.append(dict(sweep=sweep, seeds_done=len(done), seeds_registered=len(seeds), learned=learned,
                          collapsed=collapsed, mean_gain=float(np.mean(gains)) if gains else float("nan"),
-                         core_hours=float(np.median(hours)) if hours else float("nan"), complete=complete,
+                         step_core_hours=float(np.median(hours)) if hours else float("nan"), complete=complete,
                          learns=complete and learned >= 2 and collapsed == 0))
     table = pd.DataFrame(rows)
     left = [t for t in steps_of if t not in set(table.get("sweep", [])) or not table.set_index("sweep").loc[t, "complete"]]
     if left:
         return table, dict(decision="incomplete", left=left)
-    learners = table[table["learns"]].sort_values(["mean_gain", "core_hours"], ascending=[False, True])
+    learners = table[table["learns"]].sort_values(["mean_gain", "step_core_hours"], ascending=[False, True])
     if learners.empty:
         return table, dict(decision="none learns", regime=None)
     return table, dict(decision="regime", regime=learners["sweep"].iloc[0])
