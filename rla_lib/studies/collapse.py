@@ -290,8 +290,8 @@ def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
     (columns run, sweep, config, seed, step, eval_accuracy, eval_prompts, t_*; one sweep tag per candidate and step
     size). Per candidate: the registered seeds run to the end, those that learn (the mean of the last `LEARN_LAST`
     evaluations above the first by more than NOISE_Z binomial standard errors of that difference), collapses, the mean
-    gain and the median core-hours of a run's training steps (`step_core_hours`: its step timers; the evaluations are not timed); `learns` once every registered seed has finished: at least 2 seeds
-    learn and none collapses. Returns the table and the decision: the regime R (the largest mean gain of those that
+    gain and the median core-hours of a run's training steps (`step_core_hours`, from its step timers; evaluations are
+    not timed); `learns` once every registered seed has finished: at least 2 seeds learn and none collapses. Returns the table and the decision: the regime R (the largest mean gain of those that
     learn; ties: the fewer core-hours), "none learns" (the study stops at stage 0), or "incomplete" with what is left."""
     import pandas as pd
 
