@@ -80,7 +80,8 @@ def test_applying_a_schedule_reproduces_its_settings(family, regions, options):
 def test_the_reader_names_the_rounding_points_of_the_one_list():
     """Every value the reader reads stands for points of `modeling_qwen`'s list, and every point there is read."""
     from rla_lib.align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_ROUNDING_POINTS, ROUNDING_POINTS
-    from rla_lib.graphs.points import LAYER_POINTS, ROUNDING_POINTS_READ
+    from rla_lib.graphs.points import LAYER_POINTS
+    from rla_lib.graphs.schedules import ROUNDING_POINTS_READ
     from rla_lib.graphs.points import FINAL_POINTS as READ_FINAL
 
     listed = {p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS}
@@ -93,7 +94,7 @@ def test_a_read_schedule_keeps_the_keepable_points_the_engine_holds_in_fp32():
     """The schedule the rules map the reader's values to keeps in FP32 exactly the keepable points whose read values are
     FP32 (the CPU code read: a schedule without notes), spelled in the one list's names in the saved file."""
     from rla_lib.align import KEEPABLE
-    from rla_lib.graphs.points import ROUNDING_POINTS_READ
+    from rla_lib.graphs.schedules import ROUNDING_POINTS_READ
 
     sched = graphs.schedule(graphs.read_points(graphs.parse_output_code(CPU_CODE)), "vllm:compiled")
     assert sched["align"]["exact"], sched["align"]["notes"]

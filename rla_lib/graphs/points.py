@@ -12,8 +12,6 @@ import dataclasses
 from collections import Counter
 from enum import Enum
 
-from ..align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_ROUNDING_POINTS, ROUNDING_POINTS
-
 # (key, region, what) for every decoder layer, in chain order
 LAYER_POINTS = [
     ("input_norm.sum", "input norm", "residual sum, as the norm reads it"),
@@ -45,11 +43,6 @@ FINAL_POINTS = [
     ("lm_head.output", "lm_head", "logits"),
 ]
 POINT_INFO = {k: (r, w) for k, r, w in LAYER_POINTS + FINAL_POINTS}
-# The training side's rounding points (`rla_lib.align.modeling_qwen`, the one list of them) each value read here stands
-# for (their `read_as`): an engine module computes q/k/v, gate/up and q/k together; a norm's input sum is the residual
-# sum before it (the previous layer's `residual_mlp` for an input norm); the logits come after the last point
-ROUNDING_POINTS_READ = {key: tuple(p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS
-                                   if key in p.read_as) for key, _, _ in LAYER_POINTS + FINAL_POINTS}
 FINAL = "final"  # the layer label of FINAL_POINTS
 
 

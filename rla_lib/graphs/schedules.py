@@ -12,18 +12,24 @@ import dataclasses
 from pathlib import Path
 
 from ..align import REGIONS
+from ..align.modeling_qwen import CARRIED_ROUNDING_POINTS, FINAL_ROUNDING_POINTS, ROUNDING_POINTS
 from ..align.schedule import SCHEDULE_FORMAT, save_schedule
 from ..align.vector_sums import NORM_KINDS
 from ..models import resolve_model
 from .graph import GRAPHS_DIR
-from .points import (FINAL, FINAL_POINTS, LAYER_POINTS, ROUNDING_POINTS_READ, Held, Mixed, Points, Split, combine_counts,
-                     parse_value)
+from .points import FINAL, FINAL_POINTS, LAYER_POINTS, Held, Mixed, Points, Split, combine_counts, parse_value
 
 # points no align option changes: the engine must round them as Transformers does
 _FIXED_POINTS = ("input_norm.output", "qkv_proj.output", "rope.output", "attention.output", "o_proj.output",
                  "post_norm.output", "gate_up_proj.output", "swiglu.output", "down_proj.output", "final_norm.output",
                  "lm_head.output")
 _NORMS = ("input_norm", "post_norm", "final_norm")
+# The training side's rounding points (`rla_lib.align.modeling_qwen`, the one list of them) each value the reader reads
+# stands for (their `read_as`): an engine module computes q/k/v, gate/up and q/k together; a norm's input sum is the
+# residual sum before it (the previous layer's `residual_mlp` for an input norm); the logits come after the last point.
+# Here, not in .points: the reader reads engine code without torch, which the fix's list imports.
+ROUNDING_POINTS_READ = {key: tuple(p.name for p in ROUNDING_POINTS + FINAL_ROUNDING_POINTS + CARRIED_ROUNDING_POINTS
+                                   if key in p.read_as) for key, _, _ in LAYER_POINTS + FINAL_POINTS}
 
 
 @dataclasses.dataclass
