@@ -33,7 +33,7 @@ def training(config: str = "none") -> str:
 # Which regions each option acts on (an option is inert without its regions): two configurations that differ only in
 # inert options score identically, so they share a name and a cache file. `fused` is how the schedule runs, not where
 # it rounds (same bits), but runs are named with it.
-OPTION_REGIONS = {name: region if isinstance(region, tuple) else (region,) for name, (_, _, region) in DETAILS.items()}
+OPTION_REGIONS = {name: regions for name, (_, _, regions) in DETAILS.items()}
 OPTION_REGIONS["fused"] = ("rope", "swiglu")
 _DEFAULTS = {name: default for name, (default, _, _) in DETAILS.items()} | {"fused": False}
 

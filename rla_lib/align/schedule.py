@@ -63,12 +63,12 @@ def load_schedule(path) -> dict:
 # The names a schedule file's "align" section (and the lab's configuration names) give a schedule's details, with
 # their defaults and the region each acts in (outside it a detail has no effect)
 DETAILS = {
-    "rope_cos_sin": ("fp32", ("fp32", "bf16"), "rope"),  # bf16: cos/sin rounded first (point rope.cos_sin)
-    "rope_qk_norm": ("fp32", ("fp32", "stock"), "rope"),  # stock: the Q/K norm rounds as Transformers does
-    "rope_rounding": ("nearest", ("nearest", "truncate"), "rope"),  # truncate: rotated Q/K toward zero
-    "norm_weight": ("stock", ("stock", "fp32"), "residual_norm"),  # fp32: points *_norm.rsqrt kept
-    "residual_stream": ("bf16", ("bf16", "fp32"), "residual_norm"),  # fp32: point residual_stream kept
-    "attention": ("fp32", tuple(ATTENTION_KERNELS), "attention"),  # the engine's kernel
+    "rope_cos_sin": ("fp32", ("fp32", "bf16"), ("rope",)),  # bf16: cos/sin rounded first (point rope.cos_sin)
+    "rope_qk_norm": ("fp32", ("fp32", "stock"), ("rope",)),  # stock: the Q/K norm rounds as Transformers does
+    "rope_rounding": ("nearest", ("nearest", "truncate"), ("rope",)),  # truncate: rotated Q/K toward zero
+    "norm_weight": ("stock", ("stock", "fp32"), ("residual_norm",)),  # fp32: points *_norm.rsqrt kept
+    "residual_stream": ("bf16", ("bf16", "fp32"), ("residual_norm",)),  # fp32: point residual_stream kept
+    "attention": ("fp32", tuple(ATTENTION_KERNELS), ("attention",)),  # the engine's kernel
     "rms_sum": ("torch", None, ("rope", "residual_norm")),  # `vector_sums.rms_sum_layouts`
 }
 
@@ -84,8 +84,8 @@ def schedule_from_options(regions, **details) -> Schedule:
             raise ValueError(f"{name}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}.")
     regions = (regions,) if isinstance(regions, str) else tuple(regions)
     base = preset(*regions)
-    on = {name: value for name, value in details.items() if value != DETAILS[name][0]
-          and set(DETAILS[name][2] if isinstance(DETAILS[name][2], tuple) else (DETAILS[name][2],)) & set(regions)}
+    on = {name: value for name, value in details.items()
+          if value != DETAILS[name][0] and set(DETAILS[name][2]) & set(regions)}  # a detail outside its regions: none
     keep, truncate = set(base.keep), set()
     if on.get("rope_cos_sin") == "bf16":
         keep.discard("rope.cos_sin")
