@@ -81,18 +81,27 @@ def rows(batch: dict, block: slice) -> dict:
     return {k: v[block] for k, v in batch.items()}
 
 
-def run_fsdp(cfg: GRPOConfig, batch: dict, rank: int, world_size: int) -> dict:
-    """`cfg.steps` updates on this rank's rows: the per-step global losses, the first forward's logprobs of the
-    whole batch (gathered from the ranks) and the gathered weights and optimizer state (rank 0)."""
+def sharded(cfg: GRPOConfig, batch: dict, rank: int, world_size: int, align) -> tuple:
+    """The FP32 model, aligned by `align(model)` before FSDP2 wraps it, its AdamW, this rank's rows of the batch and the
+    global response-token count: what every FSDP run starts from."""
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, dtype="float32")
     model.train()
-    if cfg.regions:
-        align_config(model, cfg.regions, cfg.align_options)
+    align(model)
     distributed.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     mine = rows(batch, distributed.local_rows(len(batch["ids"]), rank, world_size))
-    global_tokens = int(batch["resp"].sum())
+    return model, opt, mine, int(batch["resp"].sum())
+
+
+def run_fsdp(cfg: GRPOConfig, batch: dict, rank: int, world_size: int) -> dict:
+    """`cfg.steps` updates on this rank's rows: the per-step global losses, the first forward's logprobs of the
+    whole batch (gathered from the ranks) and the gathered weights and optimizer state (rank 0)."""
+    def align(model):
+        if cfg.regions:
+            align_config(model, cfg.regions, cfg.align_options)
+
+    model, opt, mine, global_tokens = sharded(cfg, batch, rank, world_size, align)
     losses, old_lp = [], None
     for _ in range(cfg.steps):
         loss, _, new_lp = distributed.grpo_step(model, opt, mine, old_lp, cfg.clip, cfg.max_grad_norm, global_tokens)
@@ -144,18 +153,14 @@ def run_accumulated(cfg: GRPOConfig, batch: dict, world_size: int) -> dict:
 
 
 def run_fsdp_engine_steps(cfg: GRPOConfig, batch: dict, rank: int, world_size: int, schedule: Path | None) -> list[dict]:
-    """`cfg.steps` FSDP updates of the training side aligned to `schedule` (None: stock); on rank 0, per step, the forward's logprobs
-    of the whole batch (gathered) and the FP32 weights it ran with (their BF16 rounding is what FSDP's mixed precision
-    computed in, and what the engine loads). Every rank takes part in the gathers."""
-    torch.manual_seed(cfg.seed)
-    model = load_model(cfg.model, dtype="float32")
-    model.train()
-    if schedule is not None:
-        align_to_engine(model, schedule)
-    distributed.shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
-    mine = rows(batch, distributed.local_rows(len(batch["ids"]), rank, world_size))
-    global_tokens = int(batch["resp"].sum())
+    """`cfg.steps` FSDP updates of the training side aligned to `schedule` (None: stock); on rank 0, per step, the
+    forward's logprobs of the whole batch (gathered) and the FP32 weights it ran with (their BF16 rounding is what FSDP's
+    mixed precision computed in, and what the engine loads). Every rank takes part in the gathers."""
+    def align(model):
+        if schedule is not None:
+            align_to_engine(model, schedule)
+
+    model, opt, mine, global_tokens = sharded(cfg, batch, rank, world_size, align)
     steps, old_lp = [], None
     for step in range(1, cfg.steps + 1):
         weights = distributed.full_state(model, opt)["master"]  # before the update: what this step's forward reads
