@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import pandas as pd
 
-from rla_lib import kl, task
+from exactness import exactness_row  # the one criterion (benchmarks/exactness.py)
+from rla_lib import task
 from rla_lib.engine import Engine
 from rla_lib.engine_align import align_to_engine
 from rla_lib.machine import cpu_generation, cpu_model, isa_level, vllm_cpu_attention_kernel
@@ -61,28 +61,6 @@ def long_prompts(model: str, n: int, longest: int = 50) -> list[list[int]]:
     raise ValueError(f"only {len(prompts)} prompts of at most {longest} tokens")
 
 
-def compare(drawn, rescored, training, prompts_of, sampled_here: bool) -> dict:
-    """Bitwise shares (as sampled, where this engine sampled; as re-scored), prompts all bitwise, exact KL."""
-    sampled, again, terms, per_prompt = [], [], [], {}
-    for s, r, (lp, dist), prompt in zip(drawn, rescored, training, prompts_of):
-        start = len(s.prompt_ids) - 1  # entry t scores token t + 1
-        same = r.token_logprobs[start:] == lp[start:]
-        again.append(same)
-        if sampled_here:
-            sampled.append(s.logprobs == lp[start:])
-            same = same & sampled[-1]
-            terms.append(kl.exact_terms(s.full, dist[start:]))
-        per_prompt[prompt] = per_prompt.get(prompt, True) and bool(same.all())
-    every = np.concatenate(terms) if terms else np.array([])
-    all_prompts = all(per_prompt.values())
-    return dict(tokens=int(sum(map(len, again))), prompts=len(per_prompt),
-                sampled_bitwise=float(np.concatenate(sampled).mean()) if sampled else np.nan,
-                rescored_bitwise=float(np.concatenate(again).mean()), prompts_all_bitwise=sum(per_prompt.values()),
-                prompt_share_bound=kl.all_equal_bound(len(per_prompt)) if all_prompts else np.nan,
-                exact_kl=float(every.mean()) if terms else np.nan, kl_all_zero=bool((every == 0).all()) if terms else None,
-                kl_nonfinite=int((~np.isfinite(every)).sum()) if terms else 0)
-
-
 def measure(model_name: str, mode: str, n_prompts: int, samples: int) -> list[dict]:
     prompts = long_prompts(model_name, n_prompts)
     model = load_model(model_name)
@@ -106,8 +84,9 @@ def measure(model_name: str, mode: str, n_prompts: int, samples: int) -> list[di
             error, drawn, scored = str(failed).strip().splitlines()[-1], base, training
             with Engine(model_name, mode=mode, **options) as engine:
                 rescored = engine.score([s.ids for s in drawn], progress=False)
-        rows.append(dict(setting=name, options=json.dumps(options), model=model_name, mode=mode, samples=samples,
-                         sampling_error=error, **compare(drawn, rescored, scored, owner, error is None)))
+        rows.append(dict(setting=name, options=json.dumps(options), model=model_name, mode=mode, prompts=len(prompts),
+                         samples=samples, sampling_error=error,
+                         **exactness_row(drawn, owner, rescored, scored, True, error is None)))
     return rows
 
 

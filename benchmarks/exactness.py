@@ -36,9 +36,35 @@ TABLE = "exactness"
 MODES = ("compiled", "eager")
 
 
+def exactness_row(samples, prompt_of, rescored, training, full: bool, sampled: bool = True) -> dict:
+    """The one exactness criterion's figures for a training side against the engine on the same sequences: response
+    tokens bitwise as sampled (`samples`, drawn by this engine; `sampled=False` where it could not sample: re-scoring
+    only) and as re-scored (`rescored`), prompts (`prompt_of` each sample) with every token bitwise and the exact bound
+    on that share, the exact KL per token where whole distributions were kept (`full`; a term that is not finite is
+    counted, `kl_nonfinite`, and makes the mean NaN: never skipped), and the largest |logprob difference|."""
+    from rla_lib import kl
+
+    per_token = []
+    for prompt, sample, engine_scores, scored in zip(prompt_of, samples, rescored, training):
+        start = len(sample.prompt_ids) - 1  # entry t scores token t + 1
+        lp, dist = scored if full else (scored, None)
+        again = engine_scores.token_logprobs[start:] == lp[start:]
+        reference = sample.logprobs if sampled else engine_scores.token_logprobs[start:]
+        terms = kl.exact_terms(sample.full, dist[start:]) if full and sampled else np.full(len(again), np.nan)
+        per_token.append(pd.DataFrame(dict(prompt=prompt, sampled=reference == lp[start:], rescored=again, kl=terms,
+                                           gap=np.abs(reference.astype(np.float64) - lp[start:]))))
+    tokens = pd.concat(per_token)
+    bitwise_prompts = tokens.groupby("prompt")[["sampled", "rescored"]].all().all(axis=1)
+    return dict(tokens=len(tokens), sampled_bitwise=tokens.sampled.mean() if sampled else np.nan,
+                rescored_bitwise=tokens.rescored.mean(), prompts_all_bitwise=int(bitwise_prompts.sum()),
+                prompt_share_bound=kl.all_equal_bound(len(bitwise_prompts)) if bitwise_prompts.all() else np.nan,
+                exact_kl=tokens.kl.mean(skipna=False), kl_all_zero=bool((tokens.kl == 0).all()) if sampled else None,
+                kl_nonfinite=int((~np.isfinite(tokens.kl)).sum()) if full and sampled else 0, max_abs_gap=tokens.gap.max())
+
+
 def score_sides(model_name: str, mode: str, prompts: int, samples: int, max_tokens: int, seed: int) -> list[dict]:
     """One engine: its samples and rescoring against the stock and the engine-aligned training side."""
-    from rla_lib import kl, task
+    from rla_lib import task
     from rla_lib.engine import Engine
     from rla_lib.engine_align import align_to_engine, exactness
     from rla_lib.models import load_model
@@ -62,26 +88,9 @@ def score_sides(model_name: str, mode: str, prompts: int, samples: int, max_toke
                 training = token_logprobs(model, sequences, full_vocab=full)
             finally:
                 handle and handle.undo()
-            per_token = []
-            for (prompt, sample), engine_scores, scored in zip(drawn, rescored, training):
-                start = len(sample.prompt_ids) - 1  # entry t scores token t + 1
-                lp, dist = scored if full else (scored, None)
-                terms = kl.exact_terms(sample.full, dist[start:]) if full else np.full(len(sample.logprobs), np.nan)
-                per_token.append(pd.DataFrame(dict(
-                    prompt=prompt, sampled=sample.logprobs == lp[start:],
-                    rescored=engine_scores.token_logprobs[start:] == lp[start:], kl=terms,
-                    gap=np.abs(sample.logprobs.astype(np.float64) - lp[start:]))))
-            tokens = pd.concat(per_token)
-            bitwise_prompts = tokens.groupby("prompt")[["sampled", "rescored"]].all().all(axis=1)
-            rows.append(dict(
-                model=model_name, mode=mode, side=side, prompts=prompts, tokens=len(tokens),
-                sampled_bitwise=tokens.sampled.mean(), rescored_bitwise=tokens.rescored.mean(),
-                prompts_all_bitwise=int(bitwise_prompts.sum()),
-                prompt_share_bound=kl.all_equal_bound(prompts) if bitwise_prompts.all() else np.nan,
-                # a non-finite KL term is an error to count and show, never a term the mean skips
-                exact_kl=tokens.kl.mean(skipna=False), kl_all_zero=bool((tokens.kl == 0).all()),
-                kl_nonfinite=int((~np.isfinite(tokens.kl)).sum()) if full else 0, max_abs_gap=tokens.gap.max(),
-                probe=report if side == "engine-aligned" else ""))
+            rows.append(dict(model=model_name, mode=mode, side=side, prompts=prompts,
+                             **exactness_row([s for _, s in drawn], [p for p, _ in drawn], rescored, training, full),
+                             probe=report if side == "engine-aligned" else ""))
     return rows
 
 

@@ -30,7 +30,8 @@ from rla_lib.settings import TEST_VARIABLES, VARIABLES
 from rla_lib.studies import collapse, dose_response
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
-from tools.readme_front import block_front_collapse, block_front_exactness, block_front_gap, exactness_verdict
+from tools.readme_front import (block_front_collapse, block_front_exactness, block_front_gap, exactness_verdict,
+                                is_exact)
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
@@ -319,9 +320,9 @@ def block_engine_settings() -> str:
             "none (no samples)" if r["exact_kl"] != r["exact_kl"] else f"{r['exact_kl']:.3g}")
         rows.append([r["cpu"], r["level"], f"{r['model']} vs {r['mode']}", r["setting"], sampled, f"{r['rescored_bitwise']:.1%}",
                      kl, f"{int(r['prompts_all_bitwise'])} of {int(r['prompts'])}"])
-        exact = r["rescored_bitwise"] == 1 and (r["sampled_bitwise"] == 1 or r["sampled_bitwise"] != r["sampled_bitwise"]) \
-            and r["kl_nonfinite"] == 0 and (kl.startswith("0") or kl.startswith("none"))
-        verdicts.append((r["setting"], exact, isinstance(r["sampling_error"], str)))
+        could_sample = not isinstance(r["sampling_error"], str)
+        exact = is_exact(r) if could_sample else r["rescored_bitwise"] == 1  # the one criterion, on what was measured
+        verdicts.append((r["setting"], exact, not could_sample))
     summary = []
     for setting in dict.fromkeys(s for s, _, _ in verdicts):
         mine = [(e, failed) for s, e, failed in verdicts if s == setting]
