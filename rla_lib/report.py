@@ -77,6 +77,13 @@ def load_table(name: str, directory: Path | str | None = None) -> tuple[pd.DataF
     return pd.read_csv(path), meta
 
 
+def prose(fn):
+    """Mark a function that words results as sentences, for the README and docs. A notebook does not print these:
+    it shows the numbers a conclusion rests on and writes its rule out in the open (tests/test_notebooks_by_hand.py)."""
+    fn.builds_prose = True
+    return fn
+
+
 def compare_interval(low: float, high: float, ref_low: float, ref_high: float) -> str:
     """Where a confidence interval [low, high] lies against a reference range [ref_low, ref_high]:
     "inside" it, wholly "below" or "above" it, or "overlaps" it (the data cannot tell)."""

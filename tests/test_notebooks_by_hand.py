@@ -104,3 +104,51 @@ def test_the_check_sees_a_cell_without_the_library():
     with_library = "from rla_lib import rounding\nr = rounding.chain_rounding(1.003, '*3')\nassert r.fused == 3.015625\n"
     assert not [a for a in asserts(hand_only) if _names(a.test) & library_names([hand_only])]
     assert [a for a in asserts(with_library) if _names(a.test) & library_names([with_library])]
+
+
+def prose_calls(sources: list[str]) -> list[str]:
+    """The calls, outside an `assert`, of a library function marked `rla_lib.report.prose` (one that words results as
+    sentences): resolved through the notebook's own `from rla_lib... import` and `import rla_lib...` lines."""
+    import importlib
+
+    bound: dict[str, object] = {}
+    found = []
+    for source in sources:
+        tree = ast.parse(source)
+        for st in ast.walk(tree):
+            if isinstance(st, ast.ImportFrom) and (st.module or "").split(".")[0] == "rla_lib":
+                module = importlib.import_module(st.module)
+                for a in st.names:
+                    bound[a.asname or a.name] = getattr(module, a.name, None) or importlib.import_module(f"{st.module}.{a.name}")
+            elif isinstance(st, ast.Import):
+                for a in st.names:
+                    if a.name.split(".")[0] == "rla_lib":
+                        bound[a.asname or a.name] = importlib.import_module(a.name)
+        checked = {id(n) for a in ast.walk(tree) if isinstance(a, ast.Assert) for n in ast.walk(a)}
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call) or id(call) in checked:
+                continue
+            f, target = call.func, None
+            if isinstance(f, ast.Name):
+                target = bound.get(f.id)
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in bound:
+                target = getattr(bound[f.value.id], f.attr, None)
+            if getattr(target, "builds_prose", False):
+                found.append(ast.unparse(f))
+    return found
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_prints_no_sentence_built_by_the_library(nb_path):
+    """Conclusions are computed in the open: the numbers, then the notebook's own rule that words them."""
+    calls = prose_calls([s for _, s in code_cells(nb_path)])
+    assert not calls, (f"{nb_path.name} words its conclusions with {sorted(set(calls))}: show the numbers they rest "
+                       f"on and write the rule in the notebook (it may assert its words equal the library's)")
+
+
+def test_the_prose_check_sees_a_library_sentence():
+    printed = "from rla_lib.studies import collapse\nprint(collapse.verdict(rates, 'x'))\n"
+    checked = "from rla_lib.studies import collapse\nassert mine == collapse.verdict(rates, 'x')\n"
+    numbers = "from rla_lib.studies import collapse\nrates = collapse.collapse_rates(h)\n"
+    assert prose_calls([printed]) == ["collapse.verdict"]
+    assert prose_calls([checked]) == prose_calls([numbers]) == []

@@ -31,6 +31,7 @@ from statistics import NormalDist
 import numpy as np
 
 from ..paths import DATA_DIR
+from ..report import prose
 from .stability import NOISE_Z, accuracy_verdict, binomial_se
 
 FRACTION = 0.5  # a collapse ends below half the peak accuracy (the paper's runs fall to near zero)
@@ -210,6 +211,7 @@ def _seeds(n) -> str:
 PAPER_LIKE_RATES = (0.6, 0.0)  # the effect that matters: default BF16 collapsing in 3 of 5 runs, the aligned arm in none
 
 
+@prose
 def verdict(rates, sweep: str, reference: str = "default BF16", control: str = "FP32 control",
             alpha: float = 0.05, planned: bool = False) -> str:
     """One sweep's answer from its `collapse_rates` rows. A cause is named ("reproduces the paper", "not the mismatch",
@@ -370,6 +372,7 @@ def step_size_table(rates, grid) -> "pd.DataFrame":
                                        "seeds_smaller", "collapses_larger", "seeds_larger", "p fewer at the smaller step"])
 
 
+@prose
 def step_size_verdict(table, alpha: float = 0.05, control_arm: str = "FP32 control") -> str:
     """The answer of `step_size_table`'s pooled rows (or its one arm's, where only one was run at both), for the
     pairs of step sizes where a run collapsed (where none did, the pair has nothing to tell); `control_arm`'s own

@@ -32,6 +32,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from ..report import prose
 from .arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
 from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems, seed_sd
 
@@ -261,6 +262,7 @@ def _fmt(x: float) -> str:
 OUTCOMES = {"acc_last": "final accuracy", "acc_worst_after_peak": "the worst accuracy after the peak"}
 
 
+@prose
 def tis_sentence(without: dict, with_tis: dict) -> str:
     if not (without.get("fitted", True) and with_tis.get("fitted", True)):
         return "Whether TIS moves the threshold needs both fits (too few arms in one of them)."
@@ -277,6 +279,7 @@ def tis_sentence(without: dict, with_tis: dict) -> str:
     return "Neither with nor without TIS does final accuracy fall beyond noise in the tested range."
 
 
+@prose
 def mark_position(mark: dict, fit: dict) -> str:
     """Where a reference mark's mismatch sits against a fit: below its threshold's CI, inside it, or against the
     largest dose tested when no threshold was found."""
@@ -296,6 +299,7 @@ def fits_by_key(fits: pd.DataFrame) -> dict:
     return {(r["kind"], bool(r["tis"]), r["outcome"]): r.to_dict() | dict(y=r["outcome"]) for _, r in fits.iterrows()}
 
 
+@prose
 def threshold_verdict(fit: dict) -> str:
     """A fit's verdict in a few words (its numbers are `verdict_table`'s other columns)."""
     if not fit.get("fitted", True):
@@ -308,6 +312,7 @@ def threshold_verdict(fit: dict) -> str:
     return where + (f"; not established ({fit['share_without_fall']:.0%} of seed resamples show no fall)" if shaky else "")
 
 
+@prose
 def verdict_table(fits: pd.DataFrame, worst_after_peak: bool = False) -> pd.DataFrame:
     """The study's verdict as a table, a row per fit: both kinds pooled without and with TIS, each kind alone,
     (the worst-after-peak fit,) with the threshold and its CI, the fall at the largest dose against the noise
@@ -331,6 +336,7 @@ def verdict_table(fits: pd.DataFrame, worst_after_peak: bool = False) -> pd.Data
     return pd.DataFrame(rows)
 
 
+@prose
 def mark_table(fits: pd.DataFrame, marks: list[dict]) -> pd.DataFrame:
     """Where each reference mark's mismatch sits against the pooled fit without TIS (`mark_position`)."""
     both = fits_by_key(fits)[("both", False, "acc_last")]
@@ -339,6 +345,7 @@ def mark_table(fits: pd.DataFrame, marks: list[dict]) -> pd.DataFrame:
                          for m in marks])
 
 
+@prose
 def tis_verdict(fits: pd.DataFrame) -> str:
     """Whether TIS moves the pooled threshold (`tis_sentence` over the two pooled fits)."""
     fit = fits_by_key(fits)

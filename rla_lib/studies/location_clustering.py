@@ -30,6 +30,7 @@ from ..models import load_model, load_tokenizer, resolve_model
 from .prerounding import (LOCATION_BY_NAME, ROPE_LOCATIONS, capture_prerounding, capture_rope_at_positions,
                           positions_label, task_positions, uniform_positions)
 from ..rounding import round_bf16, rounding_clustering
+from ..report import prose
 from ..scoring import pad_batch
 
 # A median within this band around the paper's lower bound for clustered locations is "borderline": the
@@ -298,6 +299,7 @@ def _column_span(values: pd.Series, fmt: str = "{:.2g}") -> str:
     return _span(values.min(), values.max(), fmt)
 
 
+@prose
 def claims_table(results: pd.DataFrame) -> pd.DataFrame:
     """`claim_results` in words: per (claim, positions), a column per model with the outcome, the score range
     and the exact share (empty where the model has no such location)."""
@@ -334,6 +336,7 @@ def score_explanation(r) -> str:
     return "; ".join(why) or "no spike at 0 or 0.5, values distinct"
 
 
+@prose
 def location_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
     """Per (model, positions, location): the paper's class, the measured one (median over layers and its multiple
     of the floor), the verdict against the paper and what explains the score (`score_explanation`)."""
@@ -342,6 +345,7 @@ def location_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
     return view.set_index(["model", "positions", "location"])
 
 
+@prose
 def tie_error_line(summary: pd.DataFrame) -> str | None:
     """Where ties are common: how many rows keep their net rounding error within `ERROR_SE_MULTIPLE` x its
     standard error, and the largest (None if no row has a notable tie share)."""
@@ -360,6 +364,7 @@ ROPE_CLAIM_VALUES = {"q*cos and k*cos": ["rope.q_cos", "rope.k_cos"], "rotate_ha
                      "RoPE sums (not in the paper)": ["rope.q_sum", "rope.k_sum"]}
 
 
+@prose
 def rope_claims(summary: pd.DataFrame) -> pd.DataFrame:
     """The paper's RoPE claim per (model, values, positions): the share of exact values, the earlier score (exact
     values counted), the score over the values that round and its multiple of the floor (spans over the two
@@ -383,6 +388,7 @@ def rope_claims(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(["model", "values", "positions"])
 
 
+@prose
 def rope_verdict(summary: pd.DataFrame, clustered_range: tuple[float, float]) -> str:
     """`rope_claims` at the last set of positions (the realistic ones when measured), all models together, as a
     sentence against the paper's clustered range."""

@@ -32,6 +32,7 @@ from ..engine_probes import vllm_linear
 from ..engine_align import attention_section, kernel_numerics, with_attention, with_rope_rounding
 from ..models import concurrent_processes, side_by_side
 from ..paths import RESULTS_DIR, atomic_write, slug
+from ..report import prose
 from ..settings import setting
 
 MODES = ("compiled", "eager")
@@ -180,6 +181,7 @@ def effect(row, a: str, b: str) -> str:
     return "cut" if row[f"{a}->{b}"] < 0 else "rise"
 
 
+@prose
 def verdict(row) -> str:
     """In words, from the paired CIs: does the paper help at this level, and does the read schedule beat it?"""
     def change(a, b):

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..report import prose
+
 # A held-out accuracy is a binomial proportion over `n` problems: standard error sqrt(p (1 - p) / n),
 # about 3 points at n = 256. A drop counts only beyond NOISE_Z combined standard errors of the two
 # evaluations compared. Two, not one: the peak is the maximum over several noisy evaluations, so it is
@@ -198,6 +200,7 @@ def short_run_table(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("config")
 
 
+@prose
 def paper_effect(summary: pd.DataFrame, steps: int) -> str:
     """Whether these runs show the paper's effect: default BF16 degrades while every aligned run holds."""
     if DEFAULT not in summary.index:
