@@ -3,6 +3,7 @@
     rla env                                                   # the machine record BF16 numbers depend on
     rla schedule --model DIR --mode compiled --out s.json     # the engine's rounding schedule, for align_to_engine
     rla measure --model DIR --prompts p.jsonl --out DIR       # the mismatch of each training side on your prompts
+    rla where --model DIR --prompts p.jsonl --out DIR         # the first layer and op where each side parts from vLLM
 
 `rla schedule` starts the engine where it runs (a GPU machine, say), reads where it rounds, takes or probes its
 attention numerics and writes the schedule; the trainer elsewhere applies it with `align_to_engine(model, "s.json")`.
@@ -15,6 +16,11 @@ paired change against stock BF16 and the bitwise share, says which configuration
 or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
 refused before any engine starts. `--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
 gated side's KL and interval per mode, and exit status 3 when that side's KL exceeds X in any mode (2 is bad input).
+
+`rla where` finds where the drift starts (`rla_lib.where`): per mode and training side (stock BF16, engine-aligned),
+the first (layer, rounding point) at which it parts from the engine, read from the engine's code (both modes) and,
+for eager, from the values of every op on one response to each of your first prompts; `where.csv`, `where.json` and
+`where.png` / `.svg` (layers by points) in --out.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import mismatch_report
+from . import mismatch_report, where
 from .engine import MODES, Engine, default_context
 from .engine_align import engine_schedule, exactness
 from .align.schedule import save_schedule
@@ -32,6 +38,7 @@ from .machine import describe, machine
 from .mismatch import measure
 from .models import load_tokenizer, resolve_model
 from .paths import RESULTS_DIR
+from .plotting import save_figure
 from .prompts import check_room, prompt_ids, read_prompts
 from .report import save_table
 
@@ -96,6 +103,29 @@ def cmd_measure(args) -> int:
     return 0 if passed else GATE_FAILED
 
 
+def cmd_where(args) -> int:
+    spec, modes = resolve_model(args.model), _modes(args.modes)
+    if args.sequences < 1 or args.max_tokens < 1:
+        raise ValueError("--sequences and --max-tokens must be at least 1")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder for where.csv, where.json and where.png")
+    ids = prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)[: args.sequences]
+    check_room(ids, args.max_tokens, default_context(spec))  # everything checked: engines start from here
+    table = where.parting(spec.path, ids, modes, n=len(ids), max_tokens=args.max_tokens, seed=args.seed,
+                          cache_dir=Path(args.cache) if args.cache else None)
+    firsts = where.first_parting(table)
+    out.mkdir(parents=True, exist_ok=True)
+    params = dict(model=args.model, prompts=args.prompts, sequences=len(ids), modes=list(modes),
+                  max_tokens=args.max_tokens, seed=args.seed, first=[where.describe_first(r) for _, r in firsts.iterrows()])
+    save_table(table, "where", params, out)
+    save_figure(where.figure(table), "where", out)  # where.png and where.svg
+    print(f"{spec.path.name}: where each training side first parts from vLLM (code: rounding read from the engine's code; "
+          f"values: every op teacher-forced on {len(ids)} sequences)\n")
+    print("\n".join(params["first"]) + f"\n\nwritten: {out / 'where.csv'}, {out / 'where.json'}, {out / 'where.png'}")
+    return 0
+
+
 def gate_sides(args) -> list[str]:
     return [*mismatch_report.SIDES, *([] if args.no_engine_aligned else [mismatch_report.ENGINE_ALIGNED])]
 
@@ -131,6 +161,16 @@ def parser() -> argparse.ArgumentParser:
     mea.add_argument("--gate-side", default=mismatch_report.ENGINE_ALIGNED,
                      help="the training side --max-kl checks (default: engine-aligned; e.g. 'stock BF16')")
     mea.set_defaults(run=cmd_measure)
+    whe = sub.add_parser("where", help="the first layer and rounding point where each training side parts from vLLM")
+    whe.add_argument("--model", required=True, help="an embedded model name or a Qwen2/Qwen3 checkpoint directory")
+    whe.add_argument("--prompts", required=True, help='JSON lines: "text", {"prompt": text} or {"messages": [...]}')
+    whe.add_argument("--modes", default="compiled,eager", help="vLLM modes, comma-separated (values: eager only)")
+    whe.add_argument("--sequences", type=int, default=8, help="the first prompts, one response each, compared op by op")
+    whe.add_argument("--max-tokens", type=int, default=32, help="most tokens per response")
+    whe.add_argument("--seed", type=int, default=0)
+    whe.add_argument("--out", required=True, help="folder for where.csv, where.json and where.png (made if missing)")
+    whe.add_argument("--cache", help="keep the engine's op values here (default: results/op_check)")
+    whe.set_defaults(run=cmd_where)
     return p
 
 

@@ -88,7 +88,7 @@ def probe_run_evidence(probe, mode: str, n_boot: int = 2000, seed: int = 0) -> d
 def attention_section(found: dict) -> dict:
     """The attention numerics an engine schedule takes, from a probe's evidence `found` (`probe_attention`'s fields, or
     none): the kernel the engine loaded where it is known (the probe, if any, verifies it), else the probe's closest.
-    The one criterion, whoever measured the probe (`engine_schedule`, notebook 02b)."""
+    The one criterion, whoever measured the probe (`engine_schedule`, notebook 03b)."""
     known = kernel_numerics()
     if known:
         return found | {"numerics": known, "how": f"vLLM-CPU's {vllm_cpu_attention_kernel()} attention kernel, the "
@@ -184,7 +184,7 @@ def keep_engine_schedule(sched: dict, model, mode: str) -> Path:
 
 
 def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dict:
-    """The engine's full schedule for (model, mode): the one kept on this machine (notebook 02b or an earlier call),
+    """The engine's full schedule for (model, mode): the one kept on this machine (notebook 03b or an earlier call),
     else read and probed now (one engine start) and kept."""
     path = engine_schedule_path(model, mode)
     if path.exists():

@@ -23,7 +23,7 @@ DATA_DIR = ROOT / "data" if IN_CHECKOUT else PACKAGE_DIR / "_data"
 MODELS_DIR = DATA_DIR / "models"
 FIGURES_DIR = Path(setting("RLA_FIGURES_DIR") or ROOT / "figures")
 RESULTS_DIR = Path(setting("RLA_RESULTS_DIR") or ROOT / "results")
-CHAPTERS = "[0-9][0-9]*_*.ipynb"  # the notebooks, in reading order when sorted: 00_tour, 01_..., 02a_..., 02b_..., 03_...
+CHAPTERS = "[0-9][0-9]*_*.ipynb"  # the notebooks, in reading order when sorted: 00_tour, 01_..., 02_..., 03a_..., 03b_...
 
 
 def slug(name: str) -> str:

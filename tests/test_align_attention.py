@@ -1,7 +1,7 @@
 """The "attention" region of rla_lib.align (kernels in rla_lib.align.attention) on tiny Qwen2/Qwen3 models.
 
 References, each independent of the region's code: Transformers' own eager attention (a model loaded with
-attn_implementation="eager"), notebook 02b's inline variants installed as the model's attention function (what
+attn_implementation="eager"), notebook 03b's inline variants installed as the model's attention function (what
 the notebook did before this region existed), and an FP64 evaluation of each kernel's formula.
 """
 
@@ -119,12 +119,12 @@ def assert_generates_alike(sdpa_model, eager_model, input_ids, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------------
-# "fp32" and "p_bf16" are notebook 02b's inline variants
+# "fp32" and "p_bf16" are notebook 03b's inline variants
 # --------------------------------------------------------------------------------------------------
 
 
 def notebook_02_attention_variant(p_bf16=False):
-    """Verbatim from notebook 02b (section 2), where it was registered through AttentionInterface with eager's mask."""
+    """Verbatim from notebook 03b (section 2), where it was registered through AttentionInterface with eager's mask."""
     from transformers.models.qwen3.modeling_qwen3 import repeat_kv
 
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -170,3 +170,60 @@ def test_the_ci_gate_passes_and_fails_on_either_side_of_its_threshold():
         False, "FAIL: stock BF16 vs vLLM compiled: k3 0.0004 [0.0002, 0.0008] nats per token > --max-kl 0.0001")
     with pytest.raises(ValueError, match="no training side 'RoPE only'"):
         mismatch_report.gate(df, "RoPE only", 1e-4)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no model", "not an embedded model"),
+    ("no prompt file", "does not exist: give a JSON-lines file"),
+    ("no sequences", "--sequences and --max-tokens must be at least 1"),
+    ("bad mode", "a comma-separated list of compiled, eager"),
+])
+def test_where_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, tmp_path, case, message):
+    monkeypatch.setattr(cli.where, "parting", None)  # any measurement would fail loudly
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"1+2="\n')
+    args = {"model": "qwen3-tiny", "prompts": str(prompts), "out": str(tmp_path / "out")}
+    args |= {"no model": {"model": "/nonexistent/ckpt"}, "no prompt file": {"prompts": str(tmp_path / "none.jsonl")},
+             "no sequences": {"sequences": "0"}, "bad mode": {"modes": "jit"}}[case]
+    assert cli.main(["where", *[x for k, v in args.items() for x in (f"--{k}", v)]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_first_parting_is_the_first_point_in_the_forwards_order():
+    """`where.first_parting` takes the rows as the forward computes them: the first that differs, or none."""
+    rows = [dict(mode="eager", side=side, reading="values", layer=layer, point=point, differing=d, elements=10,
+                 share_differing=d / 10, max_abs_diff=0.5 * d)
+            for side, diffs in (("stock BF16", (0, 3, 1)), ("engine-aligned", (0, 0, 0)))
+            for (layer, point), d in zip((("0", "input_norm"), ("0", "attention"), ("1", "input_norm")), diffs)]
+    firsts = cli.where.first_parting(pd.DataFrame(rows)).set_index("side")
+    assert firsts.loc["stock BF16", ["layer", "point", "parted", "points"]].tolist() == ["0", "attention", 2, 3]
+    assert firsts.loc["stock BF16", "share_differing"] == 0.3 and firsts.loc["engine-aligned", "layer"] is None
+    lines = [cli.where.describe_first(r) for _, r in firsts.reset_index().iterrows()]
+    assert lines == ["stock BF16 vs vLLM eager (values): first parts at layer 0, attention (30.0% of its elements "
+                     "differ, by up to 1.5); 2 of 3 points read part",
+                     "engine-aligned vs vLLM eager (values): follows the engine at all 3 points read"]
+
+
+@pytest.mark.engine
+def test_where_finds_the_first_parting_of_stock_and_none_for_engine_aligned(tmp_path, capsys):
+    """`rla where` on a checkpoint with a chat template and chat prompts: stock BF16 parts from the engine at some
+    (layer, point) in every mode and reading; engine-aligned at none read from the code, and at none of the ops
+    teacher-forced where the engine's kernels were measured exact."""
+    model = with_chat_template(tmp_path)
+    out = tmp_path / "out"
+    argv = ["where", "--model", str(model), "--prompts", str(chat_prompts(tmp_path, 4)), "--sequences", "3",
+            "--max-tokens", "12", "--out", str(out), "--cache", str(tmp_path / "cache")]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    table = pd.read_csv(out / "where.csv", dtype={"layer": str})
+    firsts = cli.where.first_parting(table).set_index(["side", "mode", "reading"]).sort_index()
+    assert sorted(firsts.index) == sorted((side, mode, reading) for side in cli.where.SIDES
+                                          for mode, reading in (("compiled", "code"), ("eager", "code"), ("eager", "values")))
+    assert (firsts.loc["stock BF16", "parted"] > 0).all()
+    assert (firsts.loc[(mismatch_report.ENGINE_ALIGNED, slice(None), "code"), "parted"] == 0).all()
+    if vllm_cpu_attention_kernel() in MEASURED_EXACT:
+        assert firsts.loc[(mismatch_report.ENGINE_ALIGNED, "eager", "values"), "parted"] == 0, describe()
+    values = table[table["reading"] == "values"]
+    assert (values["elements"] > 0).all() and (values["differing"] <= values["elements"]).all()
+    assert all(cli.where.describe_first(r) in printed for _, r in firsts.reset_index().iterrows())
+    assert (out / "where.png").stat().st_size > 0 and json.loads((out / "where.json").read_text())["params"]["sequences"] == 3

@@ -71,7 +71,7 @@ def test_probe_attention_picks_the_closest_numerics(compiled_engine):
 
 
 # The kernels measured exact end to end (every token of held-out prompts): vLLM's AVX512-BF16 vector kernel (Zen 5,
-# the README's notebook 02b tables) and its AVX2 build (Zen 3, tables/exactness.csv). On the others (AMX, AVX-512
+# the README's notebook 03b tables) and its AVX2 build (Zen 3, tables/exactness.csv). On the others (AMX, AVX-512
 # without BF16) the attention is bitwise per op, but the whole forward was not yet measured there against the engine
 # (its AMX linear kernel, its oneDNN linear): an inexact result there is an expected failure, reported, not hidden.
 MEASURED_EXACT = ("avx512_bf16", "avx2")

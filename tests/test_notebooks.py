@@ -16,9 +16,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob(CHAPTERS))
 FAST = {
     "00_tour": dict(n_prompts=16, n_samples=2),
     "01_rounding_toy": dict(n_prompts=8, live_widget=False),
-    "02a_where_vllm_rounds": dict(models=["qwen3-tiny"], hf_compiled=False),
-    "02b_aligning_to_vllm": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200, op_check_sequences=2),
-    "03_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
+    "03a_where_vllm_rounds": dict(models=["qwen3-tiny"], hf_compiled=False),
+    "03b_aligning_to_vllm": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200, op_check_sequences=2),
+    "02_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
     "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
@@ -65,8 +65,8 @@ def test_every_committed_figure_is_one_a_notebook_writes():
     assert not stray, f"figures no notebook writes (delete them, or the notebook that should write them): {stray}"
 
 # Two test files, so `make test`'s two test processes run notebooks side by side (each file whole in one process): this
-# one the notebooks that reuse another's results (02b and 06 read 02a's captures, 07's uncapped level 02b's measurement;
-# 00, 02b and 03 share sampled responses and scored sides through mismatch.measure's cache), test_notebooks_apart.py
+# one the notebooks that reuse another's results (03b and 06 read 03a's captures, 07's uncapped level 03b's measurement;
+# 00, 02 and 03b share sampled responses and scored sides through mismatch.measure's cache), test_notebooks_apart.py
 # the ones that reuse none.
 APART = ("01_rounding_toy", "04_shapley", "05_rounding_clustering")
 
@@ -103,10 +103,10 @@ SMALL = dict(n_samples=2, max_tokens=16)
 REAL_SHAPE = {
     "00_tour": dict(model=REAL_SHAPE_MODEL, n_prompts=8, **SMALL),
     "01_rounding_toy": dict(model=REAL_SHAPE_MODEL, n_prompts=4, live_widget=False),
-    "02a_where_vllm_rounds": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False),
+    "03a_where_vllm_rounds": dict(models=[REAL_SHAPE_MODEL], hf_compiled=False),
     # 64 prompts: the attention pick takes half, so the reported intervals rest on 32 (kl.FEW_PROMPTS: no fewer than 30)
-    "02b_aligning_to_vllm": dict(models=[REAL_SHAPE_MODEL], n_prompts=64, n_boot=2000, op_check_sequences=2, **SMALL),
-    "03_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
+    "03b_aligning_to_vllm": dict(models=[REAL_SHAPE_MODEL], n_prompts=64, n_boot=2000, op_check_sequences=2, **SMALL),
+    "02_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
     "04_shapley": dict(models=[REAL_SHAPE_MODEL], modes=["eager"], n_prompts=8, n_boot=100, **SMALL),
     "05_rounding_clustering": dict(models=[REAL_SHAPE_MODEL], n_prompts=4),
     "06_grpo_stability": dict(model=REAL_SHAPE_MODEL, steps=2, prompts_per_step=2, group_size=2, max_tokens=16, eval_every=2,

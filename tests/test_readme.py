@@ -25,7 +25,7 @@ def test_the_results_page_has_no_hand_typed_numbers():
     page = (ROOT / "docs" / "results.md").read_text()
     assert "<!-- rla:begin" in page
     outside = readme.BLOCK.sub("", page)
-    # prose may name notebooks (03_kl), units (1e-4) and counts of things in words; no measured values
+    # prose may name notebooks (02_kl), units (1e-4) and counts of things in words; no measured values
     numbers = [n for n in re.findall(r"(?<![\w./-])[-+−]?\d+(?:\.\d+)?%?(?![\w-])", outside)]
     assert not numbers, f"numbers typed into docs/results.md outside generated blocks: {numbers}"
 

@@ -17,7 +17,7 @@ output once. The kernels here have the signature of Transformers' attention func
   csrc/cpu/cpu_attn_impl.hpp and cpu_attn_vec.hpp) operation for operation: q·kᵀ as sequential fused
   multiply-adds over the head dimension, the kernel's polynomial exp (cpu_attn_macros.h), the row sum in 16
   vector lanes reduced pairwise, P·V as sequential fused multiply-adds over the keys, and a multiply by the
-  reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-02b
+  reciprocal of the sum. Bitwise equal to the engine's attention output on this machine (the notebook-03b
   per-op check and tests/test_engine_align.py); its backward is that of torch's fused SDPA kernel in the model
   dtype (the same function in exact arithmetic), evaluated at this output. Its loops run in C (`rla_lib.native`)
   where a C compiler is at hand, else as loops of tensor ops over head_dim and keys (the same bits, slower).

@@ -235,7 +235,7 @@ def reference_marks(runs: pd.DataFrame, steps_runs: pd.DataFrame | None, real_sh
     """Per-response mismatch of default BF16 where it was measured, and what the paper's setting implies.
 
     real_shape_kl: dict(value=..., ci_low=..., ci_high=...) per-token exact KL in nats of stock BF16 Transformers
-    against compiled vLLM at the Qwen3-0.6B shape (notebook 02b's real-shape table); times response `lengths`.
+    against compiled vLLM at the Qwen3-0.6B shape (notebook 03b's real-shape table); times response `lengths`.
     """
     marks = []
     for label, table in (("default BF16, embedded model (short answers)", runs),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -61,8 +62,9 @@ def _keep_attention_inputs(store: dict, name: str):
     return lambda module, args, output: store.__setitem__(name, tuple(a.detach().clone() for a in args[:3]))
 
 
-def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0) -> dict:
-    """Eager vLLM's values at every point for `n` sampled task sequences (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None) -> dict:
+    """Eager vLLM's values at every point for `n` sampled sequences (needs VLLM_ENABLE_V1_MULTIPROCESSING=0), one response
+    to each of the first `n` `prompts` (token-id lists; None: the task's held-out prompts)."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("op_check.capture needs the engine in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                            "(op_check.captured does, in a subprocess).")
@@ -76,7 +78,7 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0) -> dict:
                 hooks.append(module.register_forward_hook(_keep(store, f"{i}.{name}")))
             hooks.append(attn.attn.register_forward_hook(_keep_attention_inputs(store, f"{i}.attention_inputs")))
         hooks.append(vllm_model.model.norm.register_forward_hook(_keep(store, "final_norm")))
-        prompts = [p.prompt for p in load_split()[:n]]
+        prompts = [p.prompt for p in load_split()[:n]] if prompts is None else [list(p) for p in prompts[:n]]
         sequences = [g[0].ids for g in engine.sample(prompts, n=1, max_tokens=max_tokens, seed=seed, progress=False)]
         points, logprobs = [], []
         for s in sequences:  # one at a time: each engine call is then one forward of this sequence alone
@@ -89,18 +91,27 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0) -> dict:
                 machine=machine_key(engine_only=True))
 
 
-def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int = 1800) -> dict:
-    """`capture`'s result, kept under results/op_check (one engine start in a subprocess when not kept yet)."""
+def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int = 1800, prompts=None,
+             max_tokens: int = 32, seed: int = 0, cache_dir: Path | None = None) -> dict:
+    """`capture`'s result, kept under `cache_dir` (default results/op_check; one engine start in a subprocess when not
+    kept yet). `prompts`: token-id lists to answer instead of the task's (part of the kept file's name, as a digest)."""
     spec = resolve_model(model)
     code = hashlib.sha1(core_digest().encode() + Path(__file__).read_bytes()).hexdigest()[:8]  # a capture is code's too
-    path = OP_CHECK_DIR / f"{spec.path.name}-eager-{n}-{machine_key(engine_only=True)}-{code}.pt"
+    asked = "" if prompts is None else "-" + hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts[:n]]).encode()
+                                                          + f"{max_tokens},{seed}".encode()).hexdigest()[:8]
+    path = Path(cache_dir or OP_CHECK_DIR) / f"{spec.path.name}-eager-{n}{asked}-{machine_key(engine_only=True)}-{code}.pt"
     if force or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
                    TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        proc = subprocess.run([sys.executable, "-m", "rla_lib.studies.op_check", str(spec.path), "--n", str(n), "--out", str(path)],
-                              env=env, cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True, timeout=timeout)
+        command = [sys.executable, "-m", "rla_lib.studies.op_check", str(spec.path), "--n", str(n), "--out", str(path),
+                   "--max-tokens", str(max_tokens), "--seed", str(seed)]
+        if prompts is not None:
+            asked_file = path.with_suffix(".prompts.json")
+            atomic_write(asked_file, lambda tmp: tmp.write_text(json.dumps([list(map(int, p)) for p in prompts[:n]])))
+            command += ["--prompts", str(asked_file)]
+        proc = subprocess.run(command, env=env, cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"op_check capture of {model} failed (exit {proc.returncode}):\n{tail}")
@@ -216,8 +227,12 @@ def main(argv=None) -> int:
     parser.add_argument("model")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", help="a JSON file of token-id lists (default: the task's held-out prompts)")
     args = parser.parse_args(argv)
-    result = capture(args.model, n=args.n)
+    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else None
+    result = capture(args.model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prompts=prompts)
     atomic_write(Path(args.out), lambda tmp: torch.save(result, tmp))
     return 0
 

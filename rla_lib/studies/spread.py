@@ -3,7 +3,7 @@
 BF16 matmuls, vLLM's CPU attention and inductor's vectorised reductions take different kernel paths by
 instruction set, and each path rounds in its own places. So the stock gap, and whether the paper's three
 regions cut it, can change with the CPU. For each level in `rla_lib.machine.ISA_LEVELS` this CPU supports,
-a process capped to that level reads the engine's rounding schedule (notebook 02a's reader, on that level's
+a process capped to that level reads the engine's rounding schedule (notebook 03a's reader, on that level's
 compiled code and eager trace) and measures the exact KL of stock Transformers, the paper's three regions
 and the read schedule against compiled and eager vLLM on the same prompts (`mismatch.STANDARD`), and how exact the
 engine-aligned side is there: the read schedule completed as `align_to_engine` completes it at that level (the
