@@ -8,7 +8,7 @@
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
 and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
 compiled engine's schedule for the embedded Qwen3 with its attention numerics (`rla_lib.engine_align`;
-kept on this machine by notebook 02b or an earlier run, else read and probed here: one engine start), eager and fused.
+kept on this machine by notebook 03b or an earlier run, else read and probed here: one engine start), eager and fused.
 
 Time: one training step's forward+backward (cross-entropy on the inputs as labels, BF16 weights) per
 configuration. Every round runs each configuration once. Rounds come in pairs: the first in an order shuffled
