@@ -62,8 +62,8 @@ def block_models() -> str:
 
 
 def block_table1() -> str:
-    t, meta = load_table("03_table1")
-    r, _ = load_table("03_reductions")
+    t, meta = load_table("02_table1")
+    r, _ = load_table("02_reductions")
     t, r = t.set_index(["model", "mode", "training side"]), r.set_index(["model", "mode", "training side"])
     est = r["estimator"].iloc[0]
     all3, all3_bf16 = config_name(REGIONS), config_name(REGIONS, rope_cos_sin="bf16")
@@ -81,7 +81,7 @@ def block_table1() -> str:
             f"{p.get('n_samples')} responses, up to {p.get('max_tokens')} tokens); changes are paired differences on the same tokens.")
     table = md_table(["model, engine mode", "stock BF16", "all three (FP32 cos/sin)", "change", "all three (BF16 cos/sin)",
                       "change", "Transformers FP32", "change"], rows)
-    return "\n\n".join([head, table, f"Against the paper's −{percent_range(*GAP_REDUCTION).replace('-', '% to −')}: " + "; ".join(verdicts) + ".", source("03_table1", meta)])
+    return "\n\n".join([head, table, f"Against the paper's −{percent_range(*GAP_REDUCTION).replace('-', '% to −')}: " + "; ".join(verdicts) + ".", source("02_table1", meta)])
 
 
 def describe_vs_paper(row) -> str:
@@ -110,8 +110,8 @@ def block_shapley() -> str:
 
 
 def block_schedule() -> str:
-    k, meta = load_table("02_schedule_kl")
-    r, _ = load_table("02_schedule_reductions")
+    k, meta = load_table("03_schedule_kl")
+    r, _ = load_table("03_schedule_reductions")
     k = k.set_index(["model", "mode", "training side"])
     rows, with_attention = [], False
     for (model, mode), g in r.groupby(["model", "mode"], sort=False):
@@ -120,7 +120,7 @@ def block_schedule() -> str:
         row = [f"{model} vs {mode}", f"{paper['a']:.3g}", f"{paper['b']:.3g} ({pct(paper['relative'])})",
                f"{sched['b']:.3g} ({pct_ci(sched['relative'], sched['rel_ci_low'], sched['rel_ci_high'])})",
                f"{diff['diff']:+.3g} [{diff['diff_ci_low']:+.3g}, {diff['diff_ci_high']:+.3g}]"]
-        engine = [to for frm, to in g.index if frm == "none" and "+attention_" in to]  # the side notebook 02b chose
+        engine = [to for frm, to in g.index if frm == "none" and "+attention_" in to]  # the side notebook 03b chose
         if engine:
             e, size, with_attention = g.loc[("none", engine[0])], k.loc[(model, mode, "none")], True
             change = change_cell(e["relative"], e["rel_ci_low"], e["rel_ci_high"], e["b"], int(size["tokens"]),
@@ -135,7 +135,7 @@ def block_schedule() -> str:
              f"there, or where it is not known the closest there) is fixed on the other {total - reported} "
              "(`MismatchRun.split_prompts`), so none is scored on the prompts it was chosen on._"
              if reported < total else "")
-    return "\n\n".join(part for part in [md_table(header, rows), split, source("02_schedule_kl", meta)] if part)
+    return "\n\n".join(part for part in [md_table(header, rows), split, source("03_schedule_kl", meta)] if part)
 
 
 def block_overhead() -> str:
@@ -186,9 +186,9 @@ def differing_of(r) -> str:
 
 
 def block_bitwise_tokens() -> str:
-    t, meta = load_table("02_bitwise_tokens")
+    t, meta = load_table("03_bitwise_tokens")
     table = pivot_md(t, "training side", ["model", "vLLM mode"], share_ci, "training side", lambda k: f"{k[0]} vs vLLM {k[1]}")
-    return "\n\n".join([table, source("02_bitwise_tokens", meta)])
+    return "\n\n".join([table, source("03_bitwise_tokens", meta)])
 
 
 def block_exactness() -> str:
@@ -244,12 +244,12 @@ def block_settings() -> str:
 
 
 def block_op_check() -> str:
-    t, meta = load_table("02_op_check")
-    a, _ = load_table("02_op_check_attention")
+    t, meta = load_table("03_op_check")
+    a, _ = load_table("03_op_check_attention")
     ops = pivot_md(t, "point", ["model", "training side"], differing_of, "op (every op fed eager vLLM's inputs)",
                    lambda k: f"{k[0]}, {k[1]}")
     kernels = pivot_md(a, "numerics", ["model"], differing_of, "attention numerics, on eager vLLM's q/k/v", lambda k: k[0])
-    return "\n\n".join([ops, kernels, source("02_op_check", meta)])
+    return "\n\n".join([ops, kernels, source("03_op_check", meta)])
 
 
 def block_real_shape_notebooks() -> str:
@@ -261,7 +261,7 @@ def block_real_shape_notebooks() -> str:
 
 
 def block_real_shape_results() -> str:
-    t, meta = load_table("02_schedule_reductions", TABLES_DIR / "real-shape")
+    t, meta = load_table("03_schedule_reductions", TABLES_DIR / "real-shape")
     t = t.reset_index() if "model" not in t.columns else t
     rows = []
     for (model, mode), g in t[t["from"] == "none"].groupby(["model", "mode"], sort=False):
@@ -276,11 +276,11 @@ def block_real_shape_results() -> str:
     if fewest < FEW_PROMPTS:
         parts.append(f"_Intervals from {fewest} prompts, fewer than {FEW_PROMPTS}: a bootstrap over so few covers short of "
                      "95% (tests/test_kl.py measures it at 8, 16 and 32); read them as rough._")
-    b, _ = load_table("02_bitwise_tokens", TABLES_DIR / "real-shape")
+    b, _ = load_table("03_bitwise_tokens", TABLES_DIR / "real-shape")
     parts += ["Response tokens whose training-side logprob is bit for bit the engine's:",
               pivot_md(b, "training side", ["model", "vLLM mode"], share_ci, "training side",
                        lambda k: f"{Path(k[0]).name} vs vLLM {k[1]}"),
-              source("real-shape/02_schedule_reductions", meta)]
+              source("real-shape/03_schedule_reductions", meta)]
     return "\n\n".join(parts)
 
 
@@ -588,8 +588,8 @@ BLOCKS = {
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),
     "isa-spread": block_isa_spread,
     "speed": measured_by("make bench && make run-all", block_speed),
-    "bitwise-tokens": measured_by("make run-all (notebook 02b)", block_bitwise_tokens),
-    "op-check": measured_by("make run-all (notebook 02b)", block_op_check),
+    "bitwise-tokens": measured_by("make run-all (notebook 03b)", block_bitwise_tokens),
+    "op-check": measured_by("make run-all (notebook 03b)", block_op_check),
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
     "front-gap": block_front_gap,
     "front-exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_front_exactness),
