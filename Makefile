@@ -141,6 +141,7 @@ test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 # `rla measure` on the embedded models and data/prompts/sums-64.jsonl (tables/measure-<model>/, the README's example)
 measure-example: setup
 	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla measure --model $$m --prompts data/prompts/sums-64.jsonl --out tables/measure-$$m --quiet || exit 1; done
+	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla where --model $$m --prompts data/prompts/sums-64.jsonl --out tables/where-$$m || exit 1; done
 	$(PY) -m tools.readme
 
 # Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`) and the

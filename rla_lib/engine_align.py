@@ -116,7 +116,7 @@ def exactness(sched: dict) -> str:
     if equal == n and gap == 0:
         return f"exact on the probe: {n:,} of {n:,} tokens bitwise the engine's, {attention['measure']} 0 (attention {numerics})"
     return (f"not exact: {equal:,} of {n:,} probe tokens bitwise ({equal / n:.1%}), {attention['measure']} {gap:.3g} "
-            f"(attention {numerics}); rla_lib.studies.op_check finds the op that differs")
+            f"(attention {numerics}); rla_lib.op_check finds the op that differs")
 
 
 def with_attention(sched: dict, numerics: str, **evidence) -> dict:

@@ -9,7 +9,7 @@
   trace (`rla_lib.graphs`), against the training side's own trace. A point parts where one side rounds and the other
   keeps FP32. It says where rounding differs, not by how much; attention's inner numerics are the values' to check.
 - **values** (eager only): eager vLLM answers the prompts and scores each sequence with every op's input and output
-  kept (`studies.op_check`); the training side is then fed the engine's inputs at every op (teacher forcing), so
+  kept (`op_check`); the training side is then fed the engine's inputs at every op (teacher forcing), so
   each op's count of differing elements is its own, not carried in from the layers before. A compiled engine runs
   fused kernels whose intermediates no hook sees: its reading is the code's alone.
 
@@ -23,12 +23,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from . import graphs, sides
+from . import graphs, op_check, sides
 from .align.schedule import schedule_to_align_kwargs
 from .engine_align import engine_schedule_for
 from .mismatch_report import ENGINE_ALIGNED
 from .models import load_model, resolve_model
-from .studies import op_check
 
 STOCK = "stock BF16"
 SIDES = (STOCK, ENGINE_ALIGNED)

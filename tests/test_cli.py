@@ -197,7 +197,7 @@ def test_the_first_parting_is_the_first_point_in_the_forwards_order():
             for (layer, point), d in zip((("0", "input_norm"), ("0", "attention"), ("1", "input_norm")), diffs)]
     firsts = cli.where.first_parting(pd.DataFrame(rows)).set_index("side")
     assert firsts.loc["stock BF16", ["layer", "point", "parted", "points"]].tolist() == ["0", "attention", 2, 3]
-    assert firsts.loc["stock BF16", "share_differing"] == 0.3 and firsts.loc["engine-aligned", "layer"] is None
+    assert firsts.loc["stock BF16", "share_differing"] == 0.3 and pd.isna(firsts.loc["engine-aligned", "layer"])
     lines = [cli.where.describe_first(r) for _, r in firsts.reset_index().iterrows()]
     assert lines == ["stock BF16 vs vLLM eager (values): first parts at layer 0, attention (30.0% of its elements "
                      "differ, by up to 1.5); 2 of 3 points read part",

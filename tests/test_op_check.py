@@ -1,4 +1,4 @@
-"""rla_lib.studies.op_check against eager vLLM: every op of the engine-aligned training side, fed the engine's inputs,
+"""rla_lib.op_check against eager vLLM: every op of the engine-aligned training side, fed the engine's inputs,
 gives the engine's output bit for bit; vLLM's vector attention kernel, in each of its x86 builds, is reproduced by its
 numerics (`attention.VLLM_CPU_BUILDS`)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from rla_lib import machine
 from rla_lib.align.attention import ROUNDS_TO_NEAREST, VLLM_CPU_BUILDS
-from rla_lib.studies import op_check
+from rla_lib import op_check
 from rla_lib.engine_align import with_attention, with_rope_rounding
 from rla_lib.graphs import Graph, read_points
 from rla_lib.graphs import schedule as graphs_schedule
@@ -58,7 +58,7 @@ CAPPED_CHECK = """
 import json
 from rla_lib import machine
 from rla_lib.models import load_model
-from rla_lib.studies import op_check
+from rla_lib import op_check
 table = op_check.attention_kernels(op_check.captured("qwen3-tiny", n=4), load_model("qwen3-tiny").config)
 print(json.dumps(dict(kernel=machine.vllm_cpu_attention_kernel(), differing=dict(zip(table.numerics, table.differing)))))
 """

@@ -236,6 +236,20 @@ def block_measure() -> str:
     return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice), *sources])
 
 
+def block_where() -> str:
+    """`rla where` on the embedded models: each (mode, side, reading)'s first parting, as the command printed it."""
+    lines, sources = [], []
+    for model in MEASURE_MODELS:
+        _, meta = load_table("where", TABLES_DIR / f"where-{model}")
+        lines += [f"- {model}: {line}" for line in meta["params"]["first"]]
+        sources.append(source(f"where-{model}/where", meta))
+    p = meta["params"]
+    setting = (f"_`rla where` on the first {p['sequences']} prompts of `{p['prompts']}` (one response each, up to "
+               f"{p['max_tokens']} tokens): code, the rounding read from the engine's code; values, every op "
+               "teacher-forced:_")
+    return "\n\n".join([setting, "\n".join(lines), *sources])
+
+
 def block_settings() -> str:
     """The environment variables rla_lib reads (`rla_lib.settings`), and those of the tests."""
     rows = [[f"`{name}`", f"`{default}`" if default else "unset", what] for name, (default, what) in VARIABLES.items()]
@@ -595,6 +609,7 @@ BLOCKS = {
     "front-exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_front_exactness),
     "front-collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_front_collapse),
     "measure": measured_by("make measure-example", block_measure),
+    "where": measured_by("make measure-example", block_where),
     "settings": block_settings,
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),

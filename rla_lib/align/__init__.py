@@ -24,7 +24,7 @@ attention kernel and the order its norms sum in. An engine's schedule is read fr
 (`align_to_engine`). The layer's ops and forwards are written once, in `modeling_qwen`, and bound into the model's
 modules by `patch`. `align(model, (), record=...)` runs the stock model
 through the same code and reports the FP32 value at every point it rounds (`rla_lib.studies.prerounding`);
-`align(model, regions, replay=...)` feeds every point another value, the engine's own in `rla_lib.studies.op_check`,
+`align(model, regions, replay=...)` feeds every point another value, the engine's own in `rla_lib.op_check`,
 so each op is checked from the engine's inputs.
 
 A fourth region, `"attention"` (in `ALL_REGIONS`, not in `REGIONS`: asked for by name), replaces the attention

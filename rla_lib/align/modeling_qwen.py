@@ -9,7 +9,7 @@ AVX512-BF16 convert) or kept in FP32, and may record the FP32 value just before 
   forward and the backward are the stock ones, bit for bit;
 - aligned (`rla_lib.align`): a `Schedule` keeps some points in FP32 (a paper's region is a `preset` of them);
 - recording (`rla_lib.studies.prerounding`): a policy with `record`, called at every point it rounds;
-- replaying (`rla_lib.studies.op_check`): a policy with `replay`, which may put another value (an engine's own, for
+- replaying (`rla_lib.op_check`): a policy with `replay`, which may put another value (an engine's own, for
   teacher forcing) in place of the rounded one at every point.
 
 `rla_lib.align` binds these functions into the modules' forwards (its part: caches, masks, Transformers releases);

@@ -275,7 +275,7 @@ def align(
     rounds, with the FP32 value about to be rounded; every module then runs through `modeling_qwen` (with `()`, the
     stock model recorded, bit for bit stock). Forward only; the model's own attention kernel only.
     `replay(point, layer, rounded)`, for studies: the value each rounding point carries on with (teacher forcing:
-    `rla_lib.studies.op_check` puts the engine's own there); every module then runs through `modeling_qwen` too.
+    `rla_lib.op_check` puts the engine's own there); every module then runs through `modeling_qwen` too.
     """
     family, base = _family_and_base(model)
     refuse_if_aligned(base, replace)

@@ -34,18 +34,18 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
-from ..sides import align_config
-from ..align.attention import KERNELS as ATTENTION_KERNELS
-from ..align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
-from ..align.schedule import load_schedule, schedule_to_align_kwargs
-from ..engine import Engine
-from ..bf16_matmul import has_fp32_matmul, use_bf16_matmul
-from ..machine import machine_key
-from ..mismatch_cache import core_digest
-from ..models import resolve_model
-from ..paths import PACKAGE_DIR, RESULTS_DIR, atomic_write
-from ..scoring import head_logprobs, pad_batch
-from ..task import load_split
+from .sides import align_config
+from .align.attention import KERNELS as ATTENTION_KERNELS
+from .align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
+from .align.schedule import load_schedule, schedule_to_align_kwargs
+from .engine import Engine
+from .bf16_matmul import has_fp32_matmul, use_bf16_matmul
+from .machine import machine_key
+from .mismatch_cache import core_digest
+from .models import resolve_model
+from .paths import PACKAGE_DIR, RESULTS_DIR, atomic_write
+from .scoring import head_logprobs, pad_batch
+from .task import load_split
 
 OP_CHECK_DIR = RESULTS_DIR / "op_check"
 
@@ -105,7 +105,7 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
                    TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        command = [sys.executable, "-m", "rla_lib.studies.op_check", str(spec.path), "--n", str(n), "--out", str(path),
+        command = [sys.executable, "-m", "rla_lib.op_check", str(spec.path), "--n", str(n), "--out", str(path),
                    "--max-tokens", str(max_tokens), "--seed", str(seed)]
         if prompts is not None:
             asked_file = path.with_suffix(".prompts.json")
@@ -223,7 +223,7 @@ def attention_kernels(captures: dict, config) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="capture eager vLLM's values at every op (rla_lib.studies.op_check)")
+    parser = argparse.ArgumentParser(description="capture eager vLLM's values at every op (rla_lib.op_check)")
     parser.add_argument("model")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--out", required=True)
