@@ -49,7 +49,7 @@ run-all: setup
 	@# live_widget: only notebook 01 has it (papermill warns of a parameter a notebook does not take)
 	@# papermill's and the kernel's own log goes to notebooks/executed/NN_name.log, shown here without the kernel's
 	@# notice at every start that it listens on local TCP without encryption, and without the line an idle kernel may
-	@# print for the SIGINT jupyter_client sends with every shutdown. One notebook at a time: 06 and 07 side
+	@# print for the SIGINT jupyter_client sends with every shutdown. One notebook at a time: the GRPO chapter and 07 side
 	@# by side took 12.7 min in all instead of 10.3 (their processes then oversubscribe the two cores). A kernel start
 	@# gets 600 s, a hang guard: papermill's 60 s can pass on a loaded 2-core machine.
 	@for nb in $(NOTEBOOKS); do \
@@ -85,7 +85,7 @@ test: setup
 	[ $$versions -eq 0 ] || echo "FAILED: make test-transformers (the align tests under other Transformers releases)"; \
 	[ $$suite -eq 0 ] && [ $$versions -eq 0 ]
 
-# Notebooks 00-06 on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
+# Notebooks 00-06a on the Qwen3-0.6B-shaped checkpoint by parameters only (tests/test_notebooks.py; ~30 min here).
 # Another checkpoint: make test-real-shape RLA_REAL_SHAPE_MODEL=.cache/real-shape/qwen2-0.5b-shape
 test-real-shape: setup real-shape
 	$(if $(RLA_REAL_SHAPE_MODEL),RLA_REAL_SHAPE_MODEL=$(abspath $(RLA_REAL_SHAPE_MODEL))) RLA_EXECUTED_DIR=$(CURDIR)/notebooks/executed-real-shape \
@@ -178,7 +178,7 @@ bench: setup
 	$(PY) benchmarks/bf16_matmul.py
 	$(PY) benchmarks/engine_start.py
 
-# The GRPO studies of notebook 06 (experiments/grpo_sweep.py), one single-core worker per core (faster than
+# The GRPO studies of notebook 06b (experiments/grpo_sweep.py), one single-core worker per core (faster than
 # one process on all cores: the tiny model's steps do not scale past a core). The workers share one list, a
 # lock per run; resumable; the last worker to finish collects data/grpo_sweep/histories.csv.gz.
 # A part: make grpo-sweep SWEEP_ARGS="--only dose"

@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/collapse_design.py     # seconds: writes tables/06_collapse*.csv
 
-From `data/grpo_sweep/histories.csv.gz` (the settings search and dose study behind notebook 06):
+From `data/grpo_sweep/histories.csv.gz` (the settings search and dose study behind notebook 06b):
 - 06_collapse: per sweep and configuration, how many seeds collapsed (`rla_lib.studies.collapse.collapse`: from some
   evaluation on, below half the peak and beyond noise, to the end), the exact 95% interval, how many rose first,
   the median step of collapse, and Fisher's one-sided p-value of fewer collapses than default BF16 in that sweep.

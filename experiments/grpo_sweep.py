@@ -1,4 +1,4 @@
-"""The GRPO studies behind notebook 06: the settings search (does default BF16 GRPO degrade where aligned
+"""The GRPO studies behind notebook 06b: the settings search (does default BF16 GRPO degrade where aligned
 training does not?) and the dose-response study (how much mismatch does uncorrected GRPO tolerate?).
 
     make grpo-sweep                                  # everything below, on every CPU core
@@ -19,7 +19,7 @@ it next (or by starting the sweep again), and every other run's results as they 
 Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes; the
 checkpoint is read as data only, `torch.load(weights_only=True)`, so a file put in a shared run folder never runs).
 When all are done, one file collects the per-step histories of every run,
-`data/grpo_sweep/histories.csv.gz` (shipped, so notebook 06 can show the search without re-running it),
+`data/grpo_sweep/histories.csv.gz` (shipped, so notebook 06b can show the search without re-running it),
 written atomically, with a sidecar `histories.json`: when it was written, from which commit, the grid.
 For the file collected before sidecars existed, `--sidecar-from-git` rebuilds its sidecar from git. The runs are ordered so that an interrupted search has whole seeds done first.
 

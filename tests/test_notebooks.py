@@ -21,8 +21,9 @@ FAST = {
     "02_kl_measurement": dict(models=["qwen3-tiny"], n_prompts=16, n_samples=2, n_boot=200),
     "04_shapley": dict(models=["qwen2-tiny"], modes=["compiled"], n_prompts=16, n_samples=2, n_boot=100),
     "05_rounding_clustering": dict(n_prompts=16),
-    "06_grpo_stability": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
-                              configs=["default BF16", "engine schedule", "FP32 control"]),
+    "06a_grpo_loop": dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3,
+                          configs=["default BF16", "engine schedule", "FP32 control"]),
+    "06b_collapse_study": dict(),  # reads the shipped histories: nothing to make smaller
     # the uncapped level (02's measurement and captures, reused) and AVX2 (every x86 CPU this project runs on has it)
     "07_cpu_kinds": dict(models=["qwen3-tiny"], levels=["native", "avx2"], matmul_control=False,
                          n_prompts=16, n_samples=2, n_boot=200),
@@ -65,7 +66,7 @@ def test_every_committed_figure_is_one_a_notebook_writes():
     assert not stray, f"figures no notebook writes (delete them, or the notebook that should write them): {stray}"
 
 # Two test files, so `make test`'s two test processes run notebooks side by side (each file whole in one process): this
-# one the notebooks that reuse another's results (03b and 06 read 03a's captures, 07's uncapped level 03b's measurement;
+# one the notebooks that reuse another's results (03b and 06a read 03a's captures, 07's uncapped level 03b's measurement;
 # 00, 02 and 03b share sampled responses and scored sides through mismatch.measure's cache), test_notebooks_apart.py
 # the ones that reuse none.
 APART = ("01_rounding_toy", "04_shapley", "05_rounding_clustering")
@@ -96,7 +97,7 @@ def engine_aligned_is_exact_at_every_level(spread_table):
     assert inexact.empty, inexact[["model", "mode", "level", "engine attention", "engine-aligned", "engine-aligned bitwise"]]
 
 
-# The real-shape tier (`make test-real-shape`, not part of `make test`: about half an hour here): notebooks 00-06 on
+# The real-shape tier (`make test-real-shape`, not part of `make test`: about half an hour here): notebooks 00-06a on
 # the Qwen3-0.6B-shaped checkpoint (28 layers, vocabulary 151,936; `make real-shape`), by parameters only.
 REAL_SHAPE_MODEL = str(Path(os.environ.get("RLA_REAL_SHAPE_MODEL", REAL_SHAPE_DIR / "qwen3-0.6b-shape")).resolve())
 SMALL = dict(n_samples=2, max_tokens=16)
@@ -109,8 +110,8 @@ REAL_SHAPE = {
     "02_kl_measurement": dict(models=[REAL_SHAPE_MODEL], n_prompts=8, n_boot=200, **SMALL),
     "04_shapley": dict(models=[REAL_SHAPE_MODEL], modes=["eager"], n_prompts=8, n_boot=100, **SMALL),
     "05_rounding_clustering": dict(models=[REAL_SHAPE_MODEL], n_prompts=4),
-    "06_grpo_stability": dict(model=REAL_SHAPE_MODEL, steps=2, prompts_per_step=2, group_size=2, max_tokens=16, eval_every=2,
-                              eval_prompts=8, configs=["default BF16", "engine schedule"]),
+    "06a_grpo_loop": dict(model=REAL_SHAPE_MODEL, steps=2, prompts_per_step=2, group_size=2, max_tokens=16, eval_every=2,
+                          eval_prompts=8, configs=["default BF16", "engine schedule"]),
 }
 
 

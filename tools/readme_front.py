@@ -1,7 +1,7 @@
 """The front page's three headline tables, small by construction: the gap and the paper's regions at every
 instruction-set level side by side (notebook 07's table, so the page does not change with the machine that ran the
 notebooks last), engine-aligned exactness per CPU kind (`benchmarks/exactness.py`), and the collapse question's current
-answer (notebook 06). Every number and verdict word is computed from the committed tables; docs/results.md has them
+answer (notebook 06b). Every number and verdict word is computed from the committed tables; docs/results.md has them
 all in full."""
 
 from __future__ import annotations

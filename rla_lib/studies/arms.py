@@ -1,4 +1,4 @@
-"""The training arms compared in notebook 06 and the settings search (`experiments/grpo_sweep.py`), by name, and
+"""The training arms compared in notebook 06a and the settings search (`experiments/grpo_sweep.py`), by name, and
 running many of them: the GRPO loop itself (`rla_lib.grpo`) knows none of them.
 
     settings = configuration("all three", "qwen3-tiny")         # GRPOConfig keyword arguments
@@ -22,7 +22,7 @@ from ..grpo import run
 from ..memory import release_memory
 from ..paths import slug
 
-# The configurations compared in notebook 06 and the settings search, by name.
+# The configurations compared in notebook 06a and the settings search, by name.
 CONFIGURATIONS = {
     "default BF16": dict(),
     "rope": dict(regions=("rope",)),

@@ -1,4 +1,4 @@
-"""Collapse, defined before the runs, and what a study of it can tell apart (notebook 06's collapse study).
+"""Collapse, defined before the runs, and what a study of it can tell apart (notebook 06b's collapse study).
 
     collapse(steps, accuracies, n)              # did a run collapse, and at which step
     false_positive_rate(p, n, steps)            # how often a flat run (nothing learned, nothing lost) is called

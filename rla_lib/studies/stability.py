@@ -2,7 +2,7 @@
 
     summary = summarize(history)                   # one run in a row (accuracy first/peak/last, verdict, mismatch)
     seeds = compare_seeds(histories, by=("config",))   # runs that differ by seed: mean and se per setting
-    short_run_table(summary); paper_effect(...)    # the short runs' verdicts notebook 06 shows
+    short_run_table(summary); paper_effect(...)    # the short runs' verdicts notebook 06a shows
     sweep_differences(seeds)                       # the settings search: each arm against default BF16, a verdict each
 
 A held-out accuracy is a binomial proportion; every "lower", "degraded" or "no different" below comes
@@ -159,7 +159,7 @@ def load_sweep(histories_path) -> tuple[pd.DataFrame, dict]:
     return pd.read_csv(histories_path), meta
 
 
-# ---- the verdicts notebook 06 prints --------------------------------------------------------
+# ---- the verdicts of notebook 06a ------------------------------------------------------------
 DEFAULT, ALIGNED, FP32 = "default BF16", ("rope", "all three"), "FP32 control"
 
 
