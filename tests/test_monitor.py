@@ -1,4 +1,5 @@
 import math
+import warnings
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 
 from rla_lib import kl
-from rla_lib.align.monitor import PREFIX, MismatchCallback, MismatchMeter, combine, mismatch_metrics, mismatch_summary
+from rla_lib.align.monitor import (PREFIX, MismatchCallback, MismatchMeter, alerts, combine, mismatch_metrics,
+                                   mismatch_summary)
 
 NAN = float("nan")
 
@@ -305,3 +307,31 @@ def test_attach_records_each_trl_rollout_by_itself():
     with pytest.warns(RuntimeWarning, match="use_vllm=True"):
         trainer._generate_and_score_completions({"completion_mask": mask})
     assert len(callback.pending) == 1
+
+
+def test_chi2_token_and_verls_warning_levels():
+    """mismatch/chi2_token is verl's rollout_corr/chi2_token (mean rho^2 - 1 over the masked tokens); `alerts` fires at
+    verl's documented levels and stays quiet below them; the meter warns once when a level is first passed."""
+    gen = torch.Generator().manual_seed(1)
+    rollout = -torch.rand(3, 6, generator=gen, dtype=torch.float64) * 2
+    mask = (torch.arange(6) < torch.tensor([[6], [3], [5]])).to(torch.float64)
+    close = rollout + torch.randn(3, 6, generator=gen, dtype=torch.float64) * 0.01
+    rho = (close - rollout).exp()
+    m = mismatch_metrics(rollout, close, mask, also_as=("verl",))
+    assert m["rollout_corr/chi2_token"] == m["mismatch/chi2_token"] == pytest.approx(
+        float((rho**2 * mask).sum() / mask.sum()) - 1, rel=1e-12, abs=1e-15)
+    assert alerts(m) == []
+    far = rollout - 1.5  # every token: d = 1.5, k1 = 1.5 > 0.1; rho = e^-1.5, mean weight 0.22 < 0.5
+    lines = alerts(mismatch_metrics(rollout, far, mask))
+    assert [line.split(" ", 1)[0] for line in lines] == ["mismatch/k1", "mismatch/tis_weight_mean"]
+    assert lines[0] == "mismatch/k1 (rollout_corr/kl) = 1.5: KL divergence indicates significant off-policy gap"
+    spread = rollout + torch.where(torch.arange(6) % 2 == 0, 1.0, -1.0)  # rho = e, 1/e: chi2 = (e^2 + e^-2)/2 - 1 > 1
+    assert "mismatch/chi2_token" in alerts(mismatch_metrics(rollout, spread, mask))[-1]
+    meter = MismatchMeter(alerts=True)
+    with pytest.warns(RuntimeWarning) as passed:
+        meter.record(rollout, far, mask)
+    assert [str(w.message) for w in passed] == [f"verl's warning level passed: {line}" for line in lines]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meter.record(rollout, far, mask)  # still past: no second warning
+        MismatchMeter().record(rollout, far, mask)  # alerts are asked for

@@ -22,6 +22,7 @@ per token (not the 1e-4 units of `kl`'s tables and the GRPO history's), nats per
                                      sequence-level importance ratio sees (it grows with length)
     mismatch/k3_per_sequence         mean over responses of the summed k3 terms
     mismatch/is_ratio_mean, _min, _max   of rho per token, untruncated (E[rho] is 1 when no mass is missing)
+    mismatch/chi2_token              mean(rho^2) - 1: the chi-squared divergence, the spread of the token weights
     mismatch/tis_weight_mean         mean min(rho, tis_cap): the token weight truncated importance sampling applies
     mismatch/is_ratio_above_cap      fraction of tokens with rho > tis_cap (the weights TIS truncates)
     mismatch/seq_is_ratio_above_cap  fraction of responses with prod_t rho > tis_cap (what sequence-level IS
@@ -60,7 +61,7 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
     rollout_corr/log_ppl_diff_max, _min  -                             max / min over responses of their mean d
     rollout_corr/ppl_ratio               -                             mean over responses of exp(mean d)
     rollout_corr/training_ppl, _log_ppl, rollout_ppl, rollout_log_ppl   -   each side's perplexity, not a gap
-    rollout_corr/chi2_token              -                             token mean of rho^2, minus 1
+    rollout_corr/chi2_token              mismatch/chi2_token           equal: token mean of rho^2, minus 1
     rollout_corr/chi2_seq                -                             mean over responses of prod rho^2, minus 1
     rollout_corr/rollout_is_mean         mismatch/is_ratio_mean        equal with rollout_is="token" (verl clamps
                                                                        log rho to [-20, 20] first); with "sequence"
@@ -74,9 +75,15 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
                                          tis_weight_mean   (verl has no counterpart)
 
 `also_as=("verl",)` (or "trl") logs the keys that are the same quantity under that trainer's names too (`ALSO_AS`):
-verl's rollout_corr/kl and k3_kl (equal while no |d| exceeds 20, where some verl releases clamp log rho), TRL's
-sampling/sampling_logp_difference/mean and /max (equal on one process; across processes TRL averages each process's
-mean, these pool the tokens).
+verl's rollout_corr/kl, k3_kl and chi2_token (equal while no |d| exceeds 20, where some verl releases clamp log rho),
+TRL's sampling/sampling_logp_difference/mean and /max (equal on one process; across processes TRL averages each
+process's mean, these pool the tokens).
+
+verl's documented warning levels (its rollout-correction guide, `check_rollout_correction_health`) as alerts on the
+same numbers (`alerts(metrics)`, or `MismatchMeter(alerts=True)`, which warns when one starts to fire):
+|mismatch/k1| > 0.1 (rollout_corr/kl), mismatch/chi2_token > 1 (rollout_corr/chi2_token), and the mean importance
+weight outside [0.5, 2] (rollout_corr/rollout_is_mean: verl's after its truncation at rollout_is_threshold, which is
+mismatch/tis_weight_mean with tis_cap set to that threshold).
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ def exact_terms(inf_full, train_full):
 
 TIS_CAP = 2.0  # the importance-weight cap of the statistics below: verl's default, and this project's TIS setting
 MISMATCH_STATS = ("k1", "k3", "abs_diff_mean", "abs_diff_max", "k1_per_sequence", "k3_per_sequence", "is_ratio_mean",
-                  "is_ratio_min", "is_ratio_max", "tis_weight_mean", "is_ratio_above_cap", "seq_is_ratio_above_cap")
+                  "is_ratio_min", "is_ratio_max", "chi2_token", "tis_weight_mean", "is_ratio_above_cap",
+                  "seq_is_ratio_above_cap")
 
 
 def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None, training_full=None,
@@ -125,7 +133,7 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     response, averaged over responses; abs_diff_mean / abs_diff_max = mean / max |d|;
     k1_per_sequence / k3_per_sequence = each response's sum of terms, averaged over responses (nats per
     response: the log of a sequence-level importance ratio is a sum); is_ratio_mean / min / max = of rho,
-    untruncated; tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
+    untruncated; chi2_token = mean(rho^2) - 1; tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
     is_ratio_above_cap = the fraction of tokens with rho > tis_cap; seq_is_ratio_above_cap = the fraction of
     responses whose product of rho exceeds tis_cap. Also `tokens` and `sequences` (non-empty responses).
     With no tokens every statistic is nan.
@@ -146,7 +154,7 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     rho = np.exp(-d)
     out |= {"k1": d.mean(), "k3": k3.mean(), "abs_diff_mean": np.abs(d).mean(), "abs_diff_max": np.abs(d).max(),
             "k1_per_sequence": seq_d.mean(), "k3_per_sequence": seq_k3.mean(), "is_ratio_mean": rho.mean(),
-            "is_ratio_min": rho.min(), "is_ratio_max": rho.max(), "tis_weight_mean": np.minimum(rho, tis_cap).mean(),
+            "is_ratio_min": rho.min(), "is_ratio_max": rho.max(), "chi2_token": np.mean(rho**2) - 1, "tis_weight_mean": np.minimum(rho, tis_cap).mean(),
             "is_ratio_above_cap": (rho > tis_cap).mean(), "seq_is_ratio_above_cap": (-seq_d > np.log(tis_cap)).mean()}
     if inference_full is not None:
         if training_full is None or len(inference_full) != len(inf) or len(training_full) != len(inf):
@@ -162,15 +170,31 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
 PREFIX = "mismatch/"
 _COUNTS = ("tokens", "sequences", "nonfinite")
 # how each statistic pools: a mean over tokens, a mean over responses, a maximum, a minimum (`across_ranks`)
-_TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "tis_weight_mean", "is_ratio_above_cap", "exact_kl")
+_TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "chi2_token", "tis_weight_mean", "is_ratio_above_cap", "exact_kl")
 _SEQUENCE_MEANS = ("k1_per_sequence", "k3_per_sequence", "seq_is_ratio_above_cap", "exact_kl_per_sequence")
 _MAXIMA, _MINIMA = ("abs_diff_max", "is_ratio_max"), ("is_ratio_min",)
 # our key -> another trainer's key for the same quantity on the same masked tokens (the tables above: "equal")
 ALSO_AS = {
-    "verl": {"k1": "rollout_corr/kl", "k3": "rollout_corr/k3_kl"},
+    "verl": {"k1": "rollout_corr/kl", "k3": "rollout_corr/k3_kl", "chi2_token": "rollout_corr/chi2_token"},
     "trl": {"abs_diff_mean": "sampling/sampling_logp_difference/mean",
             "abs_diff_max": "sampling/sampling_logp_difference/max"},
 }
+
+
+# verl's documented warning levels: our key -> (verl's key, whether the value is healthy, what verl says past it)
+VERL_WARNING_LEVELS = {
+    "k1": ("rollout_corr/kl", lambda v: abs(v) <= 0.1, "KL divergence indicates significant off-policy gap"),
+    "chi2_token": ("rollout_corr/chi2_token", lambda v: v <= 1.0, "chi-squared divergence indicates severe distribution shift"),
+    "tis_weight_mean": ("rollout_corr/rollout_is_mean", lambda v: 0.5 <= v <= 2.0, "mean IS weight is far from 1.0"),
+}
+
+
+def alerts(metrics: dict[str, float]) -> list[str]:
+    """verl's warning levels past which `metrics` (from `mismatch_metrics`) are: one line each, naming our key, verl's
+    and the value; none for a batch without tokens."""
+    return [f"{PREFIX}{key} ({theirs}) = {metrics[PREFIX + key]:.3g}: {what}"
+            for key, (theirs, healthy, what) in VERL_WARNING_LEVELS.items()
+            if PREFIX + key in metrics and np.isfinite(metrics[PREFIX + key]) and not healthy(metrics[PREFIX + key])]
 
 
 def with_names_of(metrics: dict[str, float], trainers=()) -> dict[str, float]:
@@ -284,13 +308,15 @@ class MismatchMeter:
         logger.log(meter.flush())                                       # every logging step: combined, then reset
 
     It warns (once per rise) when the recent steps' k3 climbs above `warn_ratio` times its early level: the paper's
-    first advice to a team is to log this gap and watch it before a collapse.
+    first advice to a team is to log this gap and watch it before a collapse. With `alerts=True` it also warns when a
+    step passes one of verl's warning levels (`alerts`), once until that step's value is healthy again.
     """
 
     def __init__(self, tis_cap: float = TIS_CAP, across: bool | None = None, also_as=(), warn_ratio: float = 3.0,
-                 baseline_steps: int = 5, window: int = 5):
+                 baseline_steps: int = 5, window: int = 5, alerts: bool = False):
         with_names_of({}, also_as)
         self.tis_cap, self.across, self.also_as = tis_cap, across, tuple(also_as)  # as in `mismatch_metrics`
+        self.alerts, self.firing = alerts, set()  # verl's warning levels: warn when one starts to fire
         self.warn_ratio, self.baseline_steps, self.window = warn_ratio, baseline_steps, window
         self.pending: list[dict[str, float]] = []
         self.k3_steps: list[float] = []  # every recorded step's k3, nats per token
@@ -301,6 +327,12 @@ class MismatchMeter:
                                    self.tis_cap, self.across)
         self.pending.append(metrics)
         self.watch(metrics.get(f"{PREFIX}k3", np.nan))
+        if self.alerts:
+            lines = alerts(metrics)
+            for line in lines:
+                if line.split(" ", 1)[0] not in self.firing:
+                    warnings.warn(f"verl's warning level passed: {line}", RuntimeWarning, stacklevel=2)
+            self.firing = {line.split(" ", 1)[0] for line in lines}
         return metrics
 
     def watch(self, k3: float) -> None:
