@@ -10,7 +10,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 
 from rla_lib import kl
-from rla_lib.align.monitor import (PREFIX, MismatchCallback, MismatchMeter, alerts, combine, mismatch_metrics,
+from rla_lib.align.monitor import (PREFIX, MismatchCallback, MismatchMeter, alerts, combine, masquerades, mismatch_metrics,
                                    mismatch_summary)
 
 NAN = float("nan")
@@ -233,7 +233,8 @@ def test_non_finite_logprobs_are_counted_and_left_out():
     without_count = lambda m: {k: v for k, v in m.items() if k != PREFIX + "nonfinite"}
     assert without_count(bad) == without_count(clean)
     meter = MismatchMeter()
-    meter.record(bad_inf, bad_train, torch.cat([mask, torch.tensor([[1, 1, 0]])]))
+    with pytest.warns(RuntimeWarning, match="not rounding: 2 response tokens have a non-finite logprob"):
+        meter.record(bad_inf, bad_train, torch.cat([mask, torch.tensor([[1, 1, 0]])]))
     meter.record(inf, train, mask)
     assert meter.flush()[PREFIX + "nonfinite"] == 2  # summed between two logs, as the token counts
 
@@ -335,3 +336,40 @@ def test_chi2_token_and_verls_warning_levels():
         warnings.simplefilter("error")
         meter.record(rollout, far, mask)  # still past: no second warning
         MismatchMeter().record(rollout, far, mask)  # alerts are asked for
+
+
+def test_what_masquerades_as_mismatch_is_named_and_a_clean_batch_is_quiet():
+    """`masquerades`: each check fires on a batch built to have it and stays quiet on a clean one; the meter warns once
+    per kind."""
+    gen = torch.Generator().manual_seed(2)
+    engine = -torch.rand(8, 6, generator=gen, dtype=torch.float64) * 2 - 0.05
+    mask = torch.ones(8, 6)
+    clean = engine + torch.randn(8, 6, generator=gen, dtype=torch.float64) * 1e-3  # rounding-sized, both ways
+    ids = torch.randint(0, 50, (8, 6), generator=gen)
+    assert masquerades(engine, clean, mask, ids, group_size=4) == {}
+    # one-sided: every engine logprob 0.05 above the trainer's (a truncated sampling distribution renormalized)
+    assert list(masquerades(engine, engine - 0.05, mask)) == ["one-sided"]
+    # placeholders: the engine reports 0 on two tokens the trainer gives about e^-1
+    placeholder = engine.clone()
+    placeholder[0, :2] = 0.0
+    assert list(masquerades(placeholder, clean, mask)) == ["placeholder"]
+    # non-finite on a response token (a NaN under the mask is a failure; under padding it is nothing)
+    broken = engine.clone()
+    broken[1, 3] = float("nan")
+    assert list(masquerades(broken, clean, mask)) == ["nonfinite"]
+    assert masquerades(broken, clean, mask.index_put((torch.tensor(1), torch.tensor(3)), torch.tensor(0.0))) == {}
+    # duplicates: the first group of 4 identical responses of low probability (a reused seed); the second group
+    # identical too but certain (logprob near 0: a confident model repeats itself), not flagged
+    dup_ids = ids.clone()
+    dup_ids[1:4] = dup_ids[0]
+    dup_ids[5:8] = dup_ids[4]
+    confident = engine.clone()
+    confident[4:8] = -1e-6
+    found = masquerades(confident, confident + clean - engine, mask, dup_ids, group_size=4)
+    assert list(found) == ["duplicates"] and found["duplicates"].startswith("1 of 2 groups hold 4 identical responses")
+    meter = MismatchMeter()
+    with pytest.warns(RuntimeWarning, match="not rounding: the engine's logprob is above the trainer's"):
+        meter.record(engine, engine - 0.05, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meter.record(engine, engine - 0.05, mask)  # once per kind

@@ -88,6 +88,7 @@ mismatch/tis_weight_mean with tis_cap set to that threshold).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -195,6 +196,61 @@ def alerts(metrics: dict[str, float]) -> list[str]:
     return [f"{PREFIX}{key} ({theirs}) = {metrics[PREFIX + key]:.3g}: {what}"
             for key, (theirs, healthy, what) in VERL_WARNING_LEVELS.items()
             if PREFIX + key in metrics and np.isfinite(metrics[PREFIX + key]) and not healthy(metrics[PREFIX + key])]
+
+
+PLACEHOLDER_BELOW = math.log(0.99)  # a token the trainer gives under 99% that the engine calls certain (logprob 0)
+ONE_SIDED_SHARE, ONE_SIDED_K1, ONE_SIDED_TOKENS = 0.9, 0.01, 32  # rounding moves both ways; a truncated sampler, one
+DUPLICATE_CHANCE = 1e-3  # a group of identical responses is suspect where independent draws agree this rarely
+
+
+def masquerades(inference_logprobs: torch.Tensor, training_logprobs: torch.Tensor, mask: torch.Tensor,
+                token_ids: torch.Tensor | None = None, group_size: int | None = None) -> dict[str, str]:
+    """What looks like mismatch but is not rounding, a message per kind found (none on a clean batch; inputs as
+    `mismatch_metrics`'s, `token_ids` (B, T) the responses' tokens, groups of `group_size` consecutive responses):
+
+    - non-finite logprobs on response tokens (a side returned NaN or inf: a failed scoring, not a gap);
+    - placeholder logprobs: the engine says exactly 0 (certain) where the trainer gives the token under 99%, as a
+      padded or masked position filled with 0 does;
+    - a one-sided gap: the engine's logprob above the trainer's on at least 90% of at least 32 tokens, k1 above 0.01
+      nats: what logprobs of a top-p/top-k-truncated or temperature-scaled distribution give against the trainer's full
+      softmax (rounding moves both ways); a heuristic, stated as such;
+    - duplicated samples: groups whose responses are all the same tokens although independent draws would rarely agree
+      (the engine gives the response probability p; G alike, p^(G-1) < DUPLICATE_CHANCE): a seed reused across a
+      group's requests. Every advantage is 0, which stalls learning without any mismatch.
+    """
+    keep = mask.detach().cpu() != 0
+    inf, train = inference_logprobs.detach().cpu().double(), training_logprobs.detach().cpu().double()
+    found = {}
+    nonfinite = int((keep & ~(torch.isfinite(inf) & torch.isfinite(train))).sum())
+    if nonfinite:
+        found["nonfinite"] = (f"{nonfinite} response tokens have a non-finite logprob on one side: a scoring failure, "
+                              "left out of the mismatch (mismatch/nonfinite)")
+    keep &= torch.isfinite(inf) & torch.isfinite(train)
+    placeholders = int((keep & (inf == 0) & (train < PLACEHOLDER_BELOW)).sum())
+    if placeholders:
+        found["placeholder"] = (f"{placeholders} of {int(keep.sum())} response tokens have an engine logprob of exactly 0 "
+                                "where the trainer gives them under 99%: placeholder logprobs (padding or masked "
+                                "positions filled with 0?), not rounding")
+    d = (inf - train)[keep]
+    above = float((d > 0).double().mean()) if len(d) else 0.0
+    if len(d) >= ONE_SIDED_TOKENS and above >= ONE_SIDED_SHARE and float(d.mean()) > ONE_SIDED_K1:
+        found["one-sided"] = (f"the engine's logprob is above the trainer's on {above:.0%} of {len(d)} tokens (k1 "
+                              f"{float(d.mean()):.3g} nats): logprobs of a truncated (top-p/top-k) or temperature-scaled "
+                              "sampling distribution against the trainer's full softmax? Rounding moves both ways")
+    if token_ids is not None and group_size and group_size > 1:
+        rows = [tuple(t[k].tolist()) for t, k in zip(token_ids.detach().cpu(), mask.detach().cpu() != 0)]
+        logp = [float(row[k].sum()) for row, k in zip(inf.nan_to_num(0.0), keep)]  # each response's engine logprob
+        starts = range(0, len(rows) - group_size + 1, group_size)
+        # A confident model draws one response again and again; a reused seed draws any response again. Flag a group
+        # only where independent draws would agree rarely: the response's probability p, all alike with p^(G-1).
+        alike = [i for i in starts if len(set(rows[i:i + group_size])) == 1
+                 and (group_size - 1) * logp[i] < math.log(DUPLICATE_CHANCE)]
+        if alike:
+            found["duplicates"] = (f"{len(alike)} of {len(starts)} groups hold {group_size} identical responses that "
+                                   f"independent draws would give together with probability under {DUPLICATE_CHANCE:g}: "
+                                   "every advantage 0 (one seed for the whole group?), no learning signal, whatever "
+                                   "the mismatch")
+    return found
 
 
 def with_names_of(metrics: dict[str, float], trainers=()) -> dict[str, float]:
@@ -317,14 +373,22 @@ class MismatchMeter:
         with_names_of({}, also_as)
         self.tis_cap, self.across, self.also_as = tis_cap, across, tuple(also_as)  # as in `mismatch_metrics`
         self.alerts, self.firing = alerts, set()  # verl's warning levels: warn when one starts to fire
+        self.masquerading: set[str] = set()  # the kinds of `masquerades` warned of (once each)
         self.warn_ratio, self.baseline_steps, self.window = warn_ratio, baseline_steps, window
         self.pending: list[dict[str, float]] = []
         self.k3_steps: list[float] = []  # every recorded step's k3, nats per token
         self.rising = False
 
-    def record(self, inference_logprobs, training_logprobs, mask, inference_full=None, training_full=None) -> dict:
+    def record(self, inference_logprobs, training_logprobs, mask, inference_full=None, training_full=None,
+               token_ids=None, group_size: int | None = None) -> dict:
+        """One step's metrics (`mismatch_metrics`); warns, once per kind, of what only masquerades as mismatch
+        (`masquerades`; duplicated samples need the responses' `token_ids` and the `group_size`)."""
         metrics = mismatch_metrics(inference_logprobs, training_logprobs, mask, inference_full, training_full,
                                    self.tis_cap, self.across)
+        for kind, message in masquerades(inference_logprobs, training_logprobs, mask, token_ids, group_size).items():
+            if kind not in self.masquerading:
+                warnings.warn(f"not rounding: {message}", RuntimeWarning, stacklevel=2)
+                self.masquerading.add(kind)
         self.pending.append(metrics)
         self.watch(metrics.get(f"{PREFIX}k3", np.nan))
         if self.alerts:
@@ -373,6 +437,7 @@ class MismatchCallback(MismatchMeter, TrainerCallback):
 
     def attach(self, trainer, record_rollouts: bool = True) -> MismatchCallback:
         trainer.callback_handler.callbacks.insert(0, self)
+        self.group_size = getattr(trainer, "num_generations", None)  # TRL: a prompt's responses are consecutive
         generate = getattr(trainer, "_generate_and_score_completions", None)
         if record_rollouts and generate is not None:
             def generate_and_record(*args, **kwargs):
@@ -393,7 +458,8 @@ class MismatchCallback(MismatchMeter, TrainerCallback):
                 self._warned = True
             return
         self.record(out["sampling_per_token_logps"], out["old_per_token_logps"],
-                    out["completion_mask"] * out.get("tool_mask", 1))
+                    out["completion_mask"] * out.get("tool_mask", 1), token_ids=out.get("completion_ids"),
+                    group_size=self.group_size)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or any(k.startswith("eval_") for k in logs):
