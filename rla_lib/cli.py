@@ -16,6 +16,8 @@ paired change against stock BF16 and the bitwise share, says which configuration
 or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
 refused before any engine starts. `--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
 gated side's KL and interval per mode, and exit status 3 when that side's KL exceeds X in any mode (2 is bad input).
+`--report FILE.html` also writes a self-contained page (`rla_lib.mismatch_html`): the table, the advice and every
+response's tokens coloured by their logprob difference, per engine mode and training side, worst prompts first on a click.
 
 `rla where` finds where the drift starts (`rla_lib.where`): per mode and training side (stock BF16, engine-aligned),
 the first (layer, rounding point) at which it parts from the engine, read from the engine's code (both modes) and,
@@ -30,14 +32,14 @@ import json
 import sys
 from pathlib import Path
 
-from . import mismatch_report, where
+from . import mismatch_html, mismatch_report, where
 from .engine import MODES, Engine, default_context
 from .engine_align import engine_schedule, exactness
 from .align.schedule import save_schedule
 from .machine import describe, machine
 from .mismatch import measure
 from .models import load_tokenizer, resolve_model
-from .paths import RESULTS_DIR
+from .paths import RESULTS_DIR, atomic_write
 from .plotting import save_figure
 from .prompts import check_room, prompt_ids, read_prompts
 from .report import save_table
@@ -76,6 +78,9 @@ def cmd_measure(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: give a folder for measure.csv and measure.json")
+    report = Path(args.report) if args.report else None
+    if report is not None and (report.suffix != ".html" or not (report.parent.is_dir() or report.parent.resolve() == out.resolve())):
+        raise ValueError(f"--report {report}: an .html file in an existing folder (or in --out)")
     if args.max_kl is not None and not args.max_kl >= 0:
         raise ValueError(f"--max-kl {args.max_kl}: a KL in nats per token, 0 or more")
     if args.max_kl is not None and args.gate_side not in gate_sides(args):
@@ -95,7 +100,11 @@ def cmd_measure(args) -> int:
     save_table(df, "measure", params, out)
     print(f"{spec.path.name}: {len(ids)} prompts x {args.samples} samples, up to {args.max_tokens} tokens; KL in nats per "
           "token, 95% intervals over prompts; change: paired, against stock BF16 on the same tokens\n")
-    print(mismatch_report.text_table(df) + "\n\n" + "\n".join(advice) + f"\n\nwritten: {out / 'measure.csv'}, {out / 'measure.json'}")
+    written = [out / "measure.csv", out / "measure.json"]
+    if report is not None:
+        text = mismatch_html.page(run, df, advice, modes, load_tokenizer(spec.path), f"{spec.path.name} on {args.prompts}")
+        written.append(atomic_write(report, lambda tmp: tmp.write_text(text)))
+    print(mismatch_report.text_table(df) + "\n\n" + "\n".join(advice) + "\n\nwritten: " + ", ".join(map(str, written)))
     if args.max_kl is None:
         return 0
     passed, reason = mismatch_report.gate(df, args.gate_side, args.max_kl)
@@ -158,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
     mea.add_argument("--quiet", action="store_true", help="no progress bars")
     mea.add_argument("--max-kl", type=float, help=f"a CI gate: exit {GATE_FAILED} when the gated side's KL (nats per token, "
                      "exact where measured, else k3) exceeds this in any mode")
+    mea.add_argument("--report", help="also write a self-contained HTML page: the table, the advice and every response's "
+                     "tokens coloured by their logprob difference per training side")
     mea.add_argument("--gate-side", default=mismatch_report.ENGINE_ALIGNED,
                      help="the training side --max-kl checks (default: engine-aligned; e.g. 'stock BF16')")
     mea.set_defaults(run=cmd_measure)

@@ -30,6 +30,9 @@ HOW = {"stock BF16": "nothing to change", "RoPE only": 'rla_lib.aligned(model, (
        ENGINE_ALIGNED: "rla_lib.align_to_engine(model, engine), or the file `rla schedule` writes where the engine runs"}
 
 
+HEADER = ["mode", "training side", "k1 (gap)", "k3", "exact KL", "change vs stock", "tokens bitwise"]  # the table's
+
+
 def engine_config(mode: str) -> str:
     return f"schedule_{mode}"
 
@@ -43,7 +46,8 @@ def configs(model, modes, engine_aligned: bool = True) -> dict:
     return out
 
 
-def _labels(run: MismatchRun, mode: str) -> dict[str, str]:
+def side_labels(run: MismatchRun, mode: str) -> dict[str, str]:
+    """The training sides measured against `mode`: label -> side name in the run (engine-aligned where scored)."""
     labels = {label: sides.training(name) for label, name in SIDES.items()}
     engine_side = sides.training(engine_config(mode))
     if engine_side in run.token_lp:
@@ -72,7 +76,7 @@ def summary(run: MismatchRun, modes, n_boot: int = 2000, seed: int = 0) -> pd.Da
     run has it, in nats per token with 95% CIs over prompts; the paired relative change against stock BF16 (exact
     KL, else k3) and whether its CI lies below zero; the share of tokens whose logprob is the engine's bit for bit."""
     rows = [{"mode": m} | _row(run, sides.engine(m), label, side, n_boot, seed)
-            for m in modes for label, side in _labels(run, m).items()]
+            for m in modes for label, side in side_labels(run, m).items()]
     return pd.DataFrame(rows)
 
 
@@ -86,7 +90,8 @@ def _kl_cell(r, e: str) -> str:
     return f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}]"
 
 
-def _cells(r) -> list[str]:
+def row_cells(r) -> list[str]:
+    """One summary row as the printed table's cells (`HEADER`)."""
     kl_cells = [_kl_cell(r, e) for e in ("sampled", "k3", "exact")]
     change = ("-" if pd.isna(r.get("change")) else "to 0 on every token" if r[r["change by"]] == 0
               else pct_ci(r["change"], r["change ci_low"], r["change ci_high"]))
@@ -96,9 +101,8 @@ def _cells(r) -> list[str]:
 
 def text_table(df: pd.DataFrame) -> str:
     """The summary as an aligned text table (nats per token; the change is relative, against stock BF16)."""
-    header = ["mode", "training side", "k1 (gap)", "k3", "exact KL", "change vs stock", "tokens bitwise"]
-    cells = [header] + [_cells(r) for _, r in df.iterrows()]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    cells = [HEADER] + [row_cells(r) for _, r in df.iterrows()]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 

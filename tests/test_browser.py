@@ -364,3 +364,38 @@ def test_notebook_01_in_jupyterlab(chromium, lab_server, tmp_path):
             raise
         finally:
             browser.close()
+
+
+@pytest.mark.engine
+@pytest.mark.browser
+def test_the_measure_report_paints_every_token_and_orders_the_worst_prompts_first(chromium, tmp_path):
+    """`rla measure --report`'s page in Chromium, from a file, nothing fetched: one painted token per response token,
+    white where the two sides agree bit for bit, and a click orders the prompts by their worst |d|."""
+    from playwright.sync_api import sync_playwright
+
+    from test_mismatch_html import report
+
+    run, _, _ = report(tmp_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            errors, requests = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: requests.append(r.url) if not r.url.startswith("file:") else None)
+            page.goto((tmp_path / "report.html").as_uri())
+            painted = page.eval_on_selector_all(".tok", "els => els.map(e => e.style.backgroundColor)")
+            assert len(painted) == int(run.lengths.sum()) and all(painted), painted
+            assert len(set(painted)) > 1  # stock differs by noise: not one colour
+            page.select_option("#comparison", label="vLLM eager vs engine-aligned")
+            assert set(page.eval_on_selector_all(".tok", "els => els.map(e => e.style.backgroundColor)")) == {"rgb(255, 255, 255)"}
+            page.select_option("#comparison", label="vLLM eager vs stock BF16")
+            given = page.eval_on_selector_all(".prompt", "els => els.map(e => +e.dataset.k)")
+            page.click("#order")
+            worst = page.eval_on_selector_all(".prompt", "els => els.map(e => +e.dataset.worst)")
+            assert given == [0, 1, 2, 3] and worst == sorted(worst, reverse=True) and worst[0] > worst[-1]
+            SCREENSHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / "measure-report.png"), full_page=True)
+            assert not errors and not requests, (errors, requests)
+        finally:
+            browser.close()

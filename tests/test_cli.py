@@ -81,6 +81,7 @@ def chat_prompts(tmp_path, n: int):
     ("too long", "does not fit the engine's context of 64"),
     ("bad mode", "a comma-separated list of compiled, eager"),
     ("out is a file", "is a file: give a folder"),
+    ("report not html", "an .html file in an existing folder"),
     ("negative gate", "--max-kl -1.0: a KL in nats per token, 0 or more"),
     ("unknown gate side", "--gate-side 'nope': one of 'stock BF16'"),
 ])
@@ -93,6 +94,7 @@ def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, 
     args |= {"no model": {"model": "/nonexistent/ckpt"}, "no prompt file": {"prompts": str(tmp_path / "none.jsonl")},
              "chat without a template": {"prompts": str(chat_prompts(tmp_path, 2))}, "bad mode": {"modes": "compiled,fast"},
              "out is a file": {"out": str(prompts)}, "negative gate": {"max-kl": "-1"},
+             "report not html": {"report": str(tmp_path / "report.txt")},
              "unknown gate side": {"max-kl": "1e-4", "gate-side": "nope"}}.get(case, {})
     assert cli.main(["measure", *[x for k, v in args.items() for x in (f"--{k}", v)]]) == 2
     assert message in capsys.readouterr().err
@@ -108,7 +110,7 @@ def test_measure_on_chat_prompts_of_a_checkpoint_with_a_template(tmp_path, capsy
     out = tmp_path / "out"
     argv = ["measure", "--model", str(model), "--prompts", str(prompts), "--modes", "eager", "--samples", "2",
             "--max-tokens", "12", "--out", str(out), "--cache", str(tmp_path / "cache"), "--quiet", "--n-boot", "200"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--report", str(out / "report.html")]) == 0
     printed = capsys.readouterr().out
     df = pd.read_csv(out / "measure.csv")
     meta = json.loads((out / "measure.json").read_text())
@@ -117,6 +119,8 @@ def test_measure_on_chat_prompts_of_a_checkpoint_with_a_template(tmp_path, capsy
     assert mismatch_report.text_table(df) in printed and all(line in printed for line in meta["params"]["advice"])
     assert meta["params"]["advice"] == mismatch_report.advice(df)
     assert (df["exact ci_low"] <= df["exact"]).all() and (df["exact"] <= df["exact ci_high"]).all()
+    page = (out / "report.html").read_text()  # every response token once, each comparison's differences beside them
+    assert page.count('<span class="tok"') == df["tokens"].iloc[0] and f"{out / 'report.html'}" in printed
     engine_aligned = df.set_index("training side").loc[mismatch_report.ENGINE_ALIGNED]
     if vllm_cpu_attention_kernel() in MEASURED_EXACT:
         assert engine_aligned["bitwise"] == 1 and engine_aligned["exact"] == 0, describe()

@@ -1,0 +1,65 @@
+"""`rla measure --report`: the page holds the table, the advice and every response token once, coloured per comparison;
+in the browser (tests/test_browser.py) every token is painted and the worst prompts come first on a click."""
+
+import html
+import json
+import re
+
+import numpy as np
+import pytest
+
+from rla_lib import mismatch_html, mismatch_report, sides
+from rla_lib.mismatch_run import MismatchRun
+from rla_lib.models import load_tokenizer
+
+MODE = "eager"
+
+
+def synthetic_run(seed: int = 0) -> MismatchRun:
+    """Four prompts x two responses of the embedded tokenizer's digits, every training side scored: stock off by
+    noise that grows with the prompt, engine-aligned bit for bit the engine."""
+    rng = np.random.default_rng(seed)
+    tok = load_tokenizer("qwen3-tiny")
+    prompts = ["1+2=", "30+4=", "5+6+7=", "80+9="]
+    sequences, starts, prompt_of = [], [], []
+    for k, text in enumerate(prompts):
+        ids = tok.encode(text)
+        for _ in range(2):
+            sequences.append(ids + tok.encode(str(rng.integers(10, 999))))
+            starts.append(len(ids) - 1)
+            prompt_of.append(k)
+    run = MismatchRun(sequences, starts, rewards=np.zeros(len(sequences)), prompts=prompt_of)
+    n = int(run.lengths.sum())
+    token_prompt = np.repeat(prompt_of, run.lengths)
+    engine = -rng.random(n).astype(np.float32)
+    run.token_lp[sides.engine(MODE)] = engine
+    for label, config in mismatch_report.SIDES.items():
+        noise = rng.normal(0, 1e-3, n) * (token_prompt + 1)  # prompt 4 the worst
+        run.token_lp[sides.training(config)] = (engine + noise).astype(np.float32)
+    run.token_lp[sides.training(mismatch_report.engine_config(MODE))] = engine.copy()
+    return run
+
+
+def report(tmp_path=None):
+    run = synthetic_run()
+    df = mismatch_report.summary(run, [MODE], n_boot=50)
+    text = mismatch_html.page(run, df, mismatch_report.advice(df), [MODE], load_tokenizer("qwen3-tiny"), "a <test> run")
+    if tmp_path is not None:
+        (tmp_path / "report.html").write_text(text)
+    return run, df, text
+
+
+def test_the_page_holds_every_token_once_and_each_comparison():
+    run, df, text = report()
+    assert len(re.findall(r'<span class="tok" data-i="\d+">', text)) == int(run.lengths.sum())
+    assert "a &lt;test&gt; run" in text and "<test>" not in text  # escaped
+    data = json.loads(re.search(r"<script type='application/json' id='diffs'>(.*?)</script>", text, re.S).group(1))
+    keys = [f"vLLM {MODE} vs {label}" for label in [*mismatch_report.SIDES, mismatch_report.ENGINE_ALIGNED]]
+    assert list(data["comparisons"]) == keys
+    aligned = data["comparisons"][f"vLLM {MODE} vs {mismatch_report.ENGINE_ALIGNED}"]
+    assert set(aligned["diff"]) == {0.0} and aligned["worst"] == [0.0] * 4
+    stock = data["comparisons"][f"vLLM {MODE} vs stock BF16"]
+    d = run.token_lp[sides.engine(MODE)].astype(np.float64) - run.token_lp[sides.training("none")].astype(np.float64)
+    assert stock["diff"] == d.tolist() and stock["scale"] == np.abs(d).max()
+    assert all(mismatch_report.row_cells(r)[1] in text for _, r in df.iterrows())
+    assert all(f"<li>{html.escape(line)}</li>" in text for line in mismatch_report.advice(df))
