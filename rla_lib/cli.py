@@ -14,7 +14,9 @@ tokens with every training side (`rla_lib.mismatch_report`), prints the mismatch
 paired change against stock BF16 and the bitwise share, says which configuration to use, and writes the same as
 `measure.csv` and `measure.json` in --out. Bad input (no such model, an architecture rla does not align, a missing
 or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
-refused before any engine starts. `--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
+refused before any engine starts. Below the advice it names what only looks like mismatch (`align.monitor.masquerades`:
+non-finite or placeholder logprobs, a one-sided gap, identical responses independent draws would rarely give).
+`--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
 gated side's KL and interval per mode, and exit status 3 when that side's KL exceeds X in any mode (2 is bad input).
 `--report FILE.html` also writes a self-contained page (`rla_lib.mismatch_html`): the table, the advice and every
 response's tokens coloured by their logprob difference, per engine mode and training side, worst prompts first on a click.
@@ -92,7 +94,7 @@ def cmd_measure(args) -> int:
                   fp32_reference=False, prompts=ids, cache_dir=None if args.no_cache else Path(args.cache),
                   progress=not args.quiet)
     df = mismatch_report.summary(run, modes, n_boot=args.n_boot, seed=args.seed)
-    advice = mismatch_report.advice(df)
+    advice = mismatch_report.advice(df) + mismatch_report.masquerade_lines(run, modes, args.samples)
     out.mkdir(parents=True, exist_ok=True)
     # the model and prompts as given (a checkpoint's path on this machine means nothing on another)
     params = dict(model=args.model, prompts=args.prompts, n_prompts=len(ids), modes=list(modes),

@@ -5,14 +5,17 @@ against stock on the same tokens, the share of tokens bit for bit the engine's, 
     run = measure(model, modes, training_configs=configs(model, modes), prompts=...)
     df = summary(run, modes)          # one row per (mode, training side), CIs over prompts
     print("\n".join(advice(df)))      # per mode: the configuration to use, or that none helps beyond noise
+    masquerade_lines(run, modes, group_size)   # what only looks like mismatch (none on a clean run)
 """
 
 from __future__ import annotations
 
 import pandas as pd
+import torch
 
 from . import sides
 from .align import REGIONS
+from .align.monitor import masquerades
 from .engine_align import engine_schedule_for
 from .align.schedule import schedule_to_align_kwargs
 from .kl import FEW_PROMPTS
@@ -104,6 +107,27 @@ def text_table(df: pd.DataFrame) -> str:
     cells = [HEADER] + [row_cells(r) for _, r in df.iterrows()]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def masquerade_lines(run: MismatchRun, modes, group_size: int) -> list[str]:
+    """What only looks like mismatch between each engine mode and stock BF16 on this run's tokens
+    (`align.monitor.masquerades`, each sequence's `group_size` responses a group): one line each, none on a clean run."""
+    lengths, offsets = run.lengths, run.offsets
+    width = int(lengths.max()) if len(lengths) else 0
+
+    def padded(flat):
+        out = torch.zeros(len(lengths), width, dtype=torch.float64)
+        for i, (a, n) in enumerate(zip(offsets[:-1], lengths)):
+            out[i, :n] = torch.from_numpy(flat[a:a + n].astype("float64"))
+        return out
+
+    mask = (torch.arange(width)[None] < torch.as_tensor(lengths)[:, None]).double()
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, (seq, start) in enumerate(zip(run.sequences, run.starts)):
+        ids[i, :lengths[i]] = torch.as_tensor(seq[start + 1:])
+    stock = padded(run.token_lp[sides.STOCK])
+    return [f"vLLM {mode}: not rounding: {message}" for mode in modes
+            for message in masquerades(padded(run.token_lp[sides.engine(mode)]), stock, mask, ids, group_size).values()]
 
 
 def gate(df, side: str, max_kl: float) -> tuple[bool, str]:

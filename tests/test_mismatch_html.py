@@ -15,23 +15,27 @@ from rla_lib.models import load_tokenizer
 MODE = "eager"
 
 
-def synthetic_run(seed: int = 0) -> MismatchRun:
+def synthetic_run(seed: int = 0, duplicate_first: bool = False) -> MismatchRun:
     """Four prompts x two responses of the embedded tokenizer's digits, every training side scored: stock off by
-    noise that grows with the prompt, engine-aligned bit for bit the engine."""
+    noise that grows with the prompt, engine-aligned bit for bit the engine. `duplicate_first`: the first prompt's two
+    responses the same improbable answer (each token's engine logprob -4)."""
     rng = np.random.default_rng(seed)
     tok = load_tokenizer("qwen3-tiny")
     prompts = ["1+2=", "30+4=", "5+6+7=", "80+9="]
     sequences, starts, prompt_of = [], [], []
     for k, text in enumerate(prompts):
         ids = tok.encode(text)
-        for _ in range(2):
-            sequences.append(ids + tok.encode(str(rng.integers(10, 999))))
+        for j in range(2):
+            answer = sequences[-1][len(ids):] if duplicate_first and k == 0 and j == 1 else tok.encode(str(rng.integers(10, 999)))
+            sequences.append(ids + answer)
             starts.append(len(ids) - 1)
             prompt_of.append(k)
     run = MismatchRun(sequences, starts, rewards=np.zeros(len(sequences)), prompts=prompt_of)
     n = int(run.lengths.sum())
     token_prompt = np.repeat(prompt_of, run.lengths)
     engine = -rng.random(n).astype(np.float32)
+    if duplicate_first:
+        engine[: run.offsets[2]] = -4.0
     run.token_lp[sides.engine(MODE)] = engine
     for label, config in mismatch_report.SIDES.items():
         noise = rng.normal(0, 1e-3, n) * (token_prompt + 1)  # prompt 4 the worst
@@ -63,3 +67,19 @@ def test_the_page_holds_every_token_once_and_each_comparison():
     assert stock["diff"] == d.tolist() and stock["scale"] == np.abs(d).max()
     assert all(mismatch_report.row_cells(r)[1] in text for _, r in df.iterrows())
     assert all(f"<li>{html.escape(line)}</li>" in text for line in mismatch_report.advice(df))
+
+
+def test_rla_measure_names_what_only_masquerades_as_mismatch():
+    """`masquerade_lines` on a measurement: quiet on a clean one; a line per mode on one whose engine logprobs hold
+    placeholder zeros, or whose two responses to a prompt repeat an answer the engine gives little probability (a seed
+    reused for both)."""
+    run = synthetic_run()
+    assert mismatch_report.masquerade_lines(run, [MODE], group_size=2) == []
+    engine = run.token_lp[sides.engine(MODE)]
+    engine[:3] = 0.0  # the trainer gives these tokens under 99%: placeholders
+    assert mismatch_report.masquerade_lines(run, [MODE], group_size=2) == [
+        f"vLLM {MODE}: not rounding: 3 of {len(engine)} response tokens have an engine logprob of exactly 0 where the "
+        "trainer gives them under 99%: placeholder logprobs (padding or masked positions filled with 0?), not rounding"]
+    run = synthetic_run(duplicate_first=True)
+    (line,) = mismatch_report.masquerade_lines(run, [MODE], group_size=2)
+    assert line.startswith(f"vLLM {MODE}: not rounding: 1 of 4 groups hold 2 identical responses")
