@@ -30,7 +30,7 @@ from rla_lib.settings import TEST_VARIABLES, VARIABLES
 from rla_lib.studies import collapse, dose_response
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
-from tools.readme_front import (block_front_collapse, block_front_exactness, block_front_gap, exactness_verdict,
+from tools.readme_front import (block_front_exactness, block_front_gap, block_front_study, exactness_verdict,
                                 is_exact)
 from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
 
@@ -607,7 +607,7 @@ BLOCKS = {
     "exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_exactness),
     "front-gap": block_front_gap,
     "front-exactness": measured_by(".venv/bin/python benchmarks/exactness.py", block_front_exactness),
-    "front-collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_front_collapse),
+    "front-study": measured_by(".venv/bin/python experiments/grpo_sweep.py --stage0-table", block_front_study),
     "measure": measured_by("make measure-example", block_measure),
     "where": measured_by("make measure-example", block_where),
     "settings": block_settings,

@@ -1,7 +1,7 @@
 """The front page's three headline tables, small by construction: the gap and the paper's regions at every
 instruction-set level side by side (notebook 07's table, so the page does not change with the machine that ran the
-notebooks last), engine-aligned exactness per CPU kind (`benchmarks/exactness.py`), and the collapse question's current
-answer (notebook 06b). Every number and verdict word is computed from the committed tables; docs/results.md has them
+notebooks last), engine-aligned exactness per CPU kind (`benchmarks/exactness.py`), and where the pre-registered
+collapse study stands (notebook 06b): its stage 0 and its three questions. Every number and verdict word is computed from the committed tables; docs/results.md has them
 all in full."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from rla_lib.report import load_table, md_table, pct_ci, source
 from rla_lib.studies import collapse, spread
 
 EFFECT_WORDS = {"cut": "a cut", "rise": "a rise", "none": "no change beyond noise"}
-MAX_COLLAPSE_ROWS = 6  # the sweeps with the most seeds per arm; docs/results.md lists every sweep
 
 
 def is_exact(r) -> bool:
@@ -91,33 +90,44 @@ def block_front_exactness() -> str:
     return md_table(header, rows) + "\n\n" + " ".join(notes)
 
 
-def _collapse_cells(g, arms) -> list[str]:
-    return [f"{int(g.loc[a, 'collapses'])}/{int(g.loc[a, 'seeds'])}" if a in g.index else "" for a in arms]
+def _candidate(tag: str, cand: dict, lr: float) -> str:
+    hot = f", T {cand['temperature']:g}" if "temperature" in cand else ""
+    return f"{cand['model']}, {cand['prompts_per_step']}x{cand['group_size']}{hot}, lr {lr:g}"
 
 
-def block_front_collapse() -> str:
-    """The sweeps that can speak to the paper's claim (a default BF16 arm, an aligned arm, a collapse in some arm), the
-    most seeded first, with `collapse.verdict`; how many aligned arms collapsed less often beyond chance."""
-    rates, meta = load_table("06_collapse")
-    rates = rates.set_index(["sweep", "config"])
-    arms = [a for a in ("default BF16", *collapse.ALIGNED_ARMS, "FP32 control") if a in rates.index.get_level_values(1)]
-    telling = []
-    for sweep in dict.fromkeys(rates.index.get_level_values(0)):
-        g = rates.loc[sweep]
-        if "default BF16" in g.index and any(a in g.index for a in collapse.ALIGNED_ARMS) and g["collapses"].sum() > 0:
-            telling.append((sweep, g))
-    fewer = [s for s, g in telling if any(g.loc[a, "p fewer than default BF16"] < 0.05
-                                          for a in collapse.ALIGNED_ARMS if a in g.index)]
-    shown = sorted(telling, key=lambda sg: -sg[1]["seeds"].min())[:MAX_COLLAPSE_ROWS]
-    rows = [[sweep, *_collapse_cells(g, arms), collapse.verdict(rates, sweep)]
-            for sweep, g in telling if any(sweep == s for s, _ in shown)]
-    answer = (f"An aligned arm collapsed less often than default BF16 beyond chance (one-sided Fisher p < 0.05) in "
-              f"{len(fewer)} of the {len(telling)} sweeps with a collapse and both arms"
-              + (f" ({', '.join(fewer)})" if fewer else "") + f"; collapses that followed a rise, the paper's pattern: "
-              f"{int(rates['rose_then_collapsed'].sum())} of {int(rates['collapses'].sum())}"
-              + (f"; FP32 control, which has no mismatch: {int(rates.xs('FP32 control', level=1)['collapses'].sum())} "
-                 "collapses" if "FP32 control" in arms else "") + ".")
-    more = len(telling) - len(shown)
-    header = ["sweep", *[f"{a}: collapsed" for a in arms], "verdict"]
-    notes = [answer] + ([f"{more} more such sweeps in docs/results.md."] if more else []) + [source("06_collapse", meta)]
-    return md_table(header, rows) + "\n\n" + " ".join(notes)
+def block_front_study() -> str:
+    """The collapse study as registered (data/grpo_study/preregistration.json): stage 0 per candidate from its table
+    (candidates without a finished run shown as such), each question with its tests and whether it has run, and one
+    sentence computed from both."""
+    reg = collapse.preregistration()
+    table, meta = load_table("06_stage0")
+    done = table.set_index("sweep") if len(table) else None
+    seeds = len(reg["stage_0_regime"]["seeds"])
+    rows, finished = [], 0
+    for tag, cand, lr in collapse.stage0_runs(reg):
+        r = done.loc[tag] if done is not None and tag in done.index else None
+        n = 0 if r is None else int(r["seeds_done"])
+        finished += n
+        rows.append([_candidate(tag, cand, lr), f"{n} of {seeds}", "-" if r is None else f"{int(r['learned'])} of {n}",
+                     "-" if r is None else f"{int(r['collapsed'])} of {n}",
+                     "-" if r is None else f"{r['mean_gain']:+.3f}", "yes" if r is not None and r["learns"] else
+                     ("not yet: seeds left" if r is None or not r["complete"] else "no")])
+    stage0 = md_table(["stage 0 candidate (FP32 control)", "seeds run", "learned", "collapsed", "mean gain", "learns"], rows)
+    decision = meta["params"]["decision"]
+    regime = decision.get("regime")
+    questions = md_table(["question", "registered tests", "runs"], [
+        [q["question"], ", ".join(q["tests"]),
+         "waiting for stage 0's regime" if decision["decision"] == "incomplete" else
+         "none: stage 0 found no regime that learns" if regime is None else "not run yet"]
+        for q in reg["questions"].values()])
+    total = seeds * len(rows)
+    if decision["decision"] == "incomplete":
+        answer = (f"Cannot tell yet whether the mismatch causes collapse here: the registered questions wait for stage 0, "
+                  f"which has {finished} of its {total} runs; none of its questions has run.")
+    elif regime is None:
+        answer = ("Cannot tell: no stage-0 candidate learned by the registered rule, so the study stops there and asks "
+                  "no confirmatory question of a regime that does not learn.")
+    else:
+        answer = f"Stage 0 picked {regime}; the registered questions have not run yet, so: cannot tell yet."
+    return "\n\n".join([stage0, questions, answer + " The earlier, unplanned sweeps and their verdicts: docs/results.md. "
+                         + source("06_stage0", meta)])
