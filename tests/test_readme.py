@@ -422,3 +422,21 @@ def test_exactness_verdict_tells_a_distribution_gap_from_a_token_gap():
     assert "full distributions differ" in exactness_verdict(row | {"kl_all_zero": False})
     assert "predates the count of non-finite terms" in exactness_verdict(row | {"kl_all_zero": False, "kl_nonfinite": float("nan")})
     assert "99.0% of tokens bitwise as sampled" in exactness_verdict(row | {"kl_all_zero": False, "sampled_bitwise": 0.99})
+
+
+@pytest.mark.parametrize("decision, start", [
+    ({"decision": "incomplete", "left": ["x"]}, "Cannot tell yet whether the mismatch causes collapse here"),
+    ({"decision": "none learns", "regime": None}, "Cannot tell: no stage-0 candidate learned"),
+    ({"decision": "regime", "regime": "stage0-x"}, "Stage 0 picked stage0-x; the registered questions have not run yet"),
+])
+def test_the_front_pages_study_sentence_names_no_cause_before_a_registered_test(monkeypatch, decision, start):
+    """Whatever stage 0 decided, the front page's collapse sentence says what has run and "cannot tell" until a
+    registered question has run: no causal word from a pilot."""
+    from tools import readme_front
+
+    table, meta = report.load_table("06_stage0")
+    monkeypatch.setattr(readme_front, "load_table", lambda name: (table, meta | {"params": {"decision": decision}}))
+    block = readme_front.block_front_study()
+    sentence = block.split("\n\n")[2]
+    assert sentence.startswith(start) and "cannot tell" in sentence.lower()
+    assert not re.search(r"\b(causes|caused by|because of|step size, not)\b", sentence.replace("whether the mismatch causes", ""))
