@@ -1,7 +1,7 @@
 """The paper's published numbers that this project tests, in one place: cited, never measured here.
 
 *Where Rounding Happens Matters: Rounding-Location Alignment Stabilizes LLM Reinforcement Learning*. The README's
-verdicts and notebooks 03-05 compare measured intervals with these ranges; `tests/test_readme.py` allows a number
+verdicts and notebooks 02-05 compare measured intervals with these ranges; `tests/test_readme.py` allows a number
 in the README's prose only if it is rendered from a table or listed here (or is a setting checked against the code).
 """
 
