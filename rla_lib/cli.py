@@ -73,13 +73,21 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def cmd_measure(args) -> int:
+def checked_input(args, counts: dict[str, int], writes: str):
+    """What `measure` and `where` read, checked before any engine starts: (model spec, modes, output folder, each
+    prompt's token ids). `counts`: options that must be at least 1; `writes`: what goes into --out."""
     spec, modes = resolve_model(args.model), _modes(args.modes)
-    if args.samples < 1 or args.max_tokens < 1:
-        raise ValueError("--samples and --max-tokens must be at least 1")
+    if min(counts.values()) < 1:
+        raise ValueError(f"{' and '.join(counts)} must be at least 1")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder for measure.csv and measure.json")
+        raise ValueError(f"--out {out} is a file: give a folder for {writes}")
+    return spec, modes, out, prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)
+
+
+def cmd_measure(args) -> int:
+    spec, modes, out, ids = checked_input(args, {"--samples": args.samples, "--max-tokens": args.max_tokens},
+                                          "measure.csv and measure.json")
     report = Path(args.report) if args.report else None
     if report is not None and (report.suffix != ".html" or not (report.parent.is_dir() or report.parent.resolve() == out.resolve())):
         raise ValueError(f"--report {report}: an .html file in an existing folder (or in --out)")
@@ -87,7 +95,6 @@ def cmd_measure(args) -> int:
         raise ValueError(f"--max-kl {args.max_kl}: a KL in nats per token, 0 or more")
     if args.max_kl is not None and args.gate_side not in gate_sides(args):
         raise ValueError(f"--gate-side {args.gate_side!r}: one of {', '.join(repr(s) for s in gate_sides(args))}")
-    ids = prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)
     check_room(ids, args.max_tokens, default_context(spec))  # everything checked: engines start from here
     configs = mismatch_report.configs(spec.path, modes, engine_aligned=not args.no_engine_aligned)
     run = measure(spec.path, modes, configs, n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
@@ -115,13 +122,9 @@ def cmd_measure(args) -> int:
 
 
 def cmd_where(args) -> int:
-    spec, modes = resolve_model(args.model), _modes(args.modes)
-    if args.sequences < 1 or args.max_tokens < 1:
-        raise ValueError("--sequences and --max-tokens must be at least 1")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder for where.csv, where.json and where.png")
-    ids = prompt_ids(read_prompts(args.prompts), load_tokenizer(spec.path), spec.name)[: args.sequences]
+    spec, modes, out, ids = checked_input(args, {"--sequences": args.sequences, "--max-tokens": args.max_tokens},
+                                          "where.csv, where.json and where.png")
+    ids = ids[: args.sequences]
     check_room(ids, args.max_tokens, default_context(spec))  # everything checked: engines start from here
     table = where.parting(spec.path, ids, modes, n=len(ids), max_tokens=args.max_tokens, seed=args.seed,
                           cache_dir=Path(args.cache) if args.cache else None)
@@ -154,13 +157,15 @@ def parser() -> argparse.ArgumentParser:
     sch.add_argument("--probe-sequences", type=int, default=64, help="task prompts the attention probe scores")
     sch.add_argument("--force", action="store_true", help="capture the engine's code again instead of the cached one")
     sch.set_defaults(run=cmd_schedule)
-    mea = sub.add_parser("measure", help="the mismatch of stock, the paper's regions and engine-aligned on your prompts")
-    mea.add_argument("--model", required=True, help="an embedded model name or a Qwen2/Qwen3 checkpoint directory")
-    mea.add_argument("--prompts", required=True, help='JSON lines: "text", {"prompt": text} or {"messages": [...]}')
+    inputs = argparse.ArgumentParser(add_help=False)  # what measure and where both read
+    inputs.add_argument("--model", required=True, help="an embedded model name or a Qwen2/Qwen3 checkpoint directory")
+    inputs.add_argument("--prompts", required=True, help='JSON lines: "text", {"prompt": text} or {"messages": [...]}')
+    inputs.add_argument("--max-tokens", type=int, default=32, help="most tokens per response")
+    inputs.add_argument("--seed", type=int, default=0)
+    mea = sub.add_parser("measure", parents=[inputs],
+                         help="the mismatch of stock, the paper's regions and engine-aligned on your prompts")
     mea.add_argument("--modes", default="compiled,eager", help="vLLM modes, comma-separated (the first samples)")
     mea.add_argument("--samples", type=int, default=2, help="responses per prompt")
-    mea.add_argument("--max-tokens", type=int, default=32, help="most tokens per response")
-    mea.add_argument("--seed", type=int, default=0)
     mea.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples of prompts per interval")
     mea.add_argument("--out", required=True, help="folder for measure.csv and measure.json (made if missing)")
     mea.add_argument("--no-engine-aligned", action="store_true", help="leave out the engine-aligned side (no schedule read)")
@@ -174,13 +179,10 @@ def parser() -> argparse.ArgumentParser:
     mea.add_argument("--gate-side", default=mismatch_report.ENGINE_ALIGNED,
                      help="the training side --max-kl checks (default: engine-aligned; e.g. 'stock BF16')")
     mea.set_defaults(run=cmd_measure)
-    whe = sub.add_parser("where", help="the first layer and rounding point where each training side parts from vLLM")
-    whe.add_argument("--model", required=True, help="an embedded model name or a Qwen2/Qwen3 checkpoint directory")
-    whe.add_argument("--prompts", required=True, help='JSON lines: "text", {"prompt": text} or {"messages": [...]}')
+    whe = sub.add_parser("where", parents=[inputs],
+                         help="the first layer and rounding point where each training side parts from vLLM")
     whe.add_argument("--modes", default="compiled,eager", help="vLLM modes, comma-separated (values: eager only)")
     whe.add_argument("--sequences", type=int, default=8, help="the first prompts, one response each, compared op by op")
-    whe.add_argument("--max-tokens", type=int, default=32, help="most tokens per response")
-    whe.add_argument("--seed", type=int, default=0)
     whe.add_argument("--out", required=True, help="folder for where.csv, where.json and where.png (made if missing)")
     whe.add_argument("--cache", help="keep the engine's op values here (default: results/op_check)")
     whe.set_defaults(run=cmd_where)
