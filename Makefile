@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 ISA ?=
 CAP := $(if $(ISA),$(PY) -m rla_lib.machine --level $(ISA),)
 
-.PHONY: setup run-all readme measure-example test test-fast test-bench test-transformers test-install test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep clean
+.PHONY: setup run-all readme measure-example test test-fast test-bench test-transformers test-install test-real-shape lab models real-shape bench fsdp-grpo grpo-sweep collapse-study clean
 
 # The browser test drives Debian's chromium; setup installs it where missing and it can (root with apt-get),
 # otherwise says how (the test then skips with the same advice). Check the logic: make setup CHROMIUM=/nonexistent
@@ -192,6 +192,17 @@ grpo-sweep: setup
 			> results/grpo_sweep.worker$$k.log 2>&1 & pids="$$pids $$!"; sleep 5; \
 	done; fail=0; for p in $$pids; do wait $$p || fail=1; done; \
 	$(PY) experiments/grpo_sweep.py --collect-only; exit $$fail
+
+# The collapse study's stages after its pilot (experiments/collapse_study.py), one single-core worker per core; each
+# worker plans again after every run (a finished stage unlocks the next) and stops when nothing is left to run now.
+collapse-study: setup
+	mkdir -p results
+	@pids=; for k in $$(seq 0 $$(($(SWEEP_WORKERS) - 1))); do \
+		echo "worker $$k/$(SWEEP_WORKERS): log in results/collapse_study.worker$$k.log"; \
+		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/collapse_study.py \
+			> results/collapse_study.worker$$k.log 2>&1 & pids="$$pids $$!"; sleep 5; \
+	done; fail=0; for p in $$pids; do wait $$p || fail=1; done; \
+	$(PY) experiments/collapse_study.py --tables; exit $$fail
 
 clean:
 	rm -rf notebooks/executed results .pytest_cache .cache

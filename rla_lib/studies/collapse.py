@@ -1,6 +1,7 @@
 """Collapse, defined before the runs, and what a study of it can tell apart (notebook 06b's collapse study).
 
     collapse(steps, accuracies, n)              # did a run collapse, and at which step
+    rises_then_collapses(steps, accuracies, n)  # the long-horizon endpoint: learned beyond noise, then collapsed
     false_positive_rate(p, n, steps)            # how often a flat run (nothing learned, nothing lost) is called
                                                 # collapsed, or "degraded" by `stability.accuracy_verdict`
     fisher_one_sided(a, n_a, b, n_b)            # p-value of "arm b collapses less often than arm a"
@@ -52,6 +53,17 @@ def collapse(steps, accuracies, n: int, fraction: float = FRACTION) -> dict:
     first = int(np.argmax(stays_low)) if stays_low.any() else None
     return dict(collapsed=first is not None, step=None if first is None else int(steps[first]),
                 peak_step=int(steps[peak_at]))
+
+
+def rises_then_collapses(steps, accuracies, n: int) -> bool:
+    """The registered long-horizon endpoint: a collapse whose peak is above the first evaluation by more than
+    NOISE_Z binomial standard errors (a run that learned, then lost it)."""
+    acc = np.asarray(accuracies, dtype=float)
+    out = collapse(steps, acc, n)
+    if not out["collapsed"]:
+        return False
+    peak = acc.max()
+    return bool(peak - acc[0] > NOISE_Z * np.hypot(binomial_se(peak, n), binomial_se(acc[0], n)))
 
 
 def false_positive_rate(p: float, n: int, steps, runs: int = 20_000, seed: int = 0) -> dict:

@@ -1,0 +1,282 @@
+"""The collapse study after its pilot (data/grpo_study/preregistration.json): each stage's runs follow from the last.
+
+    .venv/bin/python experiments/collapse_study.py --plan     # every stage: planned, finished, what it waits for
+    .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
+    .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
+
+The stages, in the registration's order; a stage plans its runs only from finished runs of the stages it rests on:
+0. the pilot (`experiments/grpo_sweep.py --only stage0`): the regime R (`collapse.stage0`), its step size lr_R.
+1. edge: the FP32 control at lr_R x 1.5^k (k = 1..4), seeds 0-2, 100 steps, one k at a time, until at least 2 of 3
+   collapse: that step size is lr_edge (none by k = 4: Q2 cannot run, and the plan says so).
+2. calibration: every rung of Q1's ladder (default BF16, logit noise sigma, rollout mantissa bits), seed 0, one step:
+   its dose, the exact KL(inference || training) summed over a response at the first step, nats.
+3. Q1 (dose): the rungs in order of dose from default BF16 to the first past the paper-like 8.4 nats per response,
+   without and with TIS, seeds 0-3 at lr_R for 150 steps; a rung above one whose every seed collapsed is not run;
+   then seeds 4-7 at the two rungs that bracket the transition (the last with collapse rate <= 0.25, the first >= 0.75).
+4. Q2 (edge): default BF16, the engine schedule, the FP32 control and RoPE-only at lr_edge x {0.67, 1, 1.5}, seeds
+   0-7, 100 steps.
+5. Q3 (long): default BF16 and the engine schedule, seeds 0-2, 500 steps at lr_R.
+
+Workers share the list as the settings search's do (a lock per run folder, `grpo_sweep.claimed`): start one per core
+and each takes the next run no other holds; every run checkpoints every 10 steps and resumes where it stopped. A
+worker that finds nothing to run says what the study waits for. Runs live in results/collapse_study/<run>/.
+"""
+
+import argparse
+import importlib.util
+import math
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from rla_lib import grpo
+from rla_lib.paths import RESULTS_DIR, ROOT, slug
+from rla_lib.report import save_table
+from rla_lib.studies import arms, confirmatory
+from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
+from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
+
+_spec = importlib.util.spec_from_file_location("grpo_sweep", ROOT / "experiments" / "grpo_sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+OUT = RESULTS_DIR / "collapse_study"
+PAPER_LIKE_DOSE = 8.4  # nats per response: the paper-like mark of tables/06_dose_references.csv, as registered
+EDGE_FACTOR, EDGE_LEVELS, EDGE_STEPS, EDGE_SEEDS = 1.5, 4, 100, (0, 1, 2)
+Q1_SEEDS, Q1_BRACKET_SEEDS, Q1_STEPS = (0, 1, 2, 3), (4, 5, 6, 7), 150
+Q2_FACTORS, Q2_SEEDS, Q2_STEPS = (0.67, 1.0, 1.5), tuple(range(8)), 100
+Q2_ARMS = ("default BF16", ENGINE_SCHEDULE, "FP32 control", "rope")
+Q3_ARMS, Q3_SEEDS, Q3_STEPS = ("default BF16", ENGINE_SCHEDULE), (0, 1, 2), 500
+NOISE_LADDER, BITS_LADDER = (0.1, 0.3, 1, 2, 4, 8), (3, 2, 1, 0)
+NATURAL = "default BF16"
+
+
+@dataclass
+class Run:
+    """One planned run: its stage, the arm's name and settings, the step size, seed and length."""
+    stage: str
+    arm: str
+    lr: float
+    seed: int
+    steps: int
+    settings: dict = field(default_factory=dict)  # the arm's GRPOConfig settings (the engine schedule's: read later)
+    rung: str | None = None  # Q1's ladder rung (the arm without TIS)
+    tis: bool = False
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.stage}-lr{self.lr:.3g}-{self.steps}steps-s{self.seed}-{slug(self.arm)}"
+
+
+def ladder() -> dict[str, dict]:
+    """Q1's rungs by name, as registered: default BF16 (the natural level), logit noise, coarse rollout weights."""
+    rungs = {NATURAL: {}}
+    rungs |= {f"default BF16, logit noise {s:g}": dict(rollout_logit_noise=float(s)) for s in NOISE_LADDER}
+    return rungs | {f"default BF16, {b}-bit rollouts": dict(rollout_mantissa_bits=b) for b in BITS_LADDER}
+
+
+def first_step_dose(history: pd.DataFrame) -> float:
+    """The registered dose of a run: the exact KL summed over each response at its first training step, nats."""
+    start = history.loc[history["step"] == 1, "seq_exact_kl"].dropna()
+    return float(start.iloc[0]) if len(start) else math.nan
+
+
+def regime(reg: dict, histories: pd.DataFrame | None) -> tuple[dict | None, str]:
+    """Regime R's candidate and step size from stage 0's decision, or None and why not."""
+    if histories is None or histories.empty:
+        return None, "stage 0 has not started (experiments/grpo_sweep.py --only stage0)"
+    _, decision = stage0(histories, reg)
+    if decision["decision"] == "incomplete":
+        return None, f"stage 0 is still running: {', '.join(decision['left'])} unfinished"
+    if decision["decision"] == "none learns":
+        return None, "stage 0: no candidate learns; by the registration the study stops at stage 0"
+    tag = decision["regime"]
+    cand, lr = next((cand, lr) for t, cand, lr in stage0_runs(reg) if t == tag)
+    return dict(cand, lr=lr, tag=tag), f"regime R: {tag}"
+
+
+def settings_for(r: dict, run: Run) -> dict:
+    """The GRPOConfig settings of one run in regime R."""
+    task = dict(sweep.STEPS_TASK, model=r["model"], task=r["task"], prompts_per_step=r["prompts_per_step"],
+                group_size=r["group_size"], checkpoint_every=10)
+    if "temperature" in r:
+        task["temperature"] = r["temperature"]
+    return dict(sweep.COMMON, **task, **run.settings, lr=run.lr, steps=run.steps, seed=run.seed)
+
+
+def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
+    """Every run the study needs now, in the order workers take them, and what each later stage waits for.
+    `finished(run)` is the run's history once it has all its steps, else None."""
+    if r is None:
+        return [], []
+    runs, waits = [], []
+
+    def outcome(run):
+        h = finished(run)
+        return None if h is None else confirmatory.outcomes(h.assign(run=run.run_id, sweep=run.stage, config=run.arm,
+                                                                     seed=run.seed)).iloc[0]
+
+    # 1. the edge: one multiplication at a time
+    lr_edge = None
+    for k in range(1, EDGE_LEVELS + 1):
+        lr = r["lr"] * EDGE_FACTOR**k
+        level = [Run("edge", "FP32 control", lr, s, EDGE_STEPS, CONFIGURATIONS["FP32 control"]) for s in EDGE_SEEDS]
+        runs += level
+        done = [outcome(run) for run in level]
+        if any(o is None for o in done):
+            waits.append(f"Q2 waits for the edge search at lr {lr:.3g}")
+            break
+        if sum(bool(o["collapsed"]) for o in done) >= 2:
+            lr_edge = lr
+            break
+    else:
+        waits.append(f"no edge: the FP32 control collapsed in fewer than 2 of 3 seeds up to lr {lr:.3g}; Q2 cannot run")
+
+    # 2-3. Q1: calibrate every rung, then the ladder up to the first past the paper-like dose
+    rungs = ladder()
+    calibration = [Run("calibration", name, r["lr"], 0, 1, s, rung=name) for name, s in rungs.items()]
+    runs += calibration
+    doses = {run.rung: finished(run) for run in calibration}
+    if any(h is None for h in doses.values()):
+        waits.append("Q1 waits for the calibration of every rung")
+    else:
+        dose = {name: first_step_dose(h) for name, h in doses.items()}
+        order = sorted(rungs, key=lambda name: (name != NATURAL, dose[name]))
+        past = next((i for i, name in enumerate(order) if dose[name] > PAPER_LIKE_DOSE), len(order) - 1)
+        for tis in (False, True):
+            base = [Run("q1", name + (TIS if tis else ""), r["lr"], s, Q1_STEPS,
+                        rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
+                    for s in Q1_SEEDS for name in order[: past + 1]]
+            by_rung = {name: [outcome(run) for run in base if run.rung == name] for name in order[: past + 1]}
+            top = next((i for i, name in enumerate(order[: past + 1])
+                        if all(o is not None and o["collapsed"] for o in by_rung[name])), past)
+            runs += [run for run in base if order.index(run.rung) <= top]  # none above a rung that always collapsed
+            rates = {name: np.mean([o["collapsed"] for o in by_rung[name]]) for name in order[: top + 1]
+                     if all(o is not None for o in by_rung[name])}
+            if len(rates) < top + 1:
+                waits.append(f"Q1's transition{' with TIS' if tis else ''} waits for seeds 0-3 of every rung")
+                continue
+            low = [name for name in order[: top + 1] if rates[name] <= 0.25]
+            high = [name for name in order[: top + 1] if rates[name] >= 0.75]
+            bracket = ([low[-1]] if low else []) + ([high[0]] if high else [])
+            runs += [Run("q1", name + (TIS if tis else ""), r["lr"], s, Q1_STEPS,
+                         rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
+                     for s in Q1_BRACKET_SEEDS for name in dict.fromkeys(bracket)]
+
+    # 4. Q2 at the edge; 5. Q3 at lr_R
+    if lr_edge is not None:
+        runs += [Run("q2", arm, lr_edge * f, s, Q2_STEPS, CONFIGURATIONS.get(arm, {}))
+                 for s in Q2_SEEDS for f in Q2_FACTORS for arm in Q2_ARMS]
+    runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {})) for s in Q3_SEEDS for arm in Q3_ARMS]
+    return order_for_workers(runs), waits
+
+
+STAGE_ORDER = {"edge": 0, "calibration": 1, "q1": 2, "q3": 3, "q2": 4}
+
+
+def order_for_workers(runs: list[Run]) -> list[Run]:
+    """The edge search and calibration first (later stages wait for them), then Q1 without TIS (the positive
+    control), Q1 with TIS, Q3, Q2; within each, whole seeds first."""
+    return sorted(runs, key=lambda run: (STAGE_ORDER[run.stage], run.tis, run.seed))
+
+
+def read_finished(run: Run) -> pd.DataFrame | None:
+    return sweep.finished(OUT / run.run_id, run.steps)
+
+
+def stage0_histories(reg: dict) -> pd.DataFrame | None:
+    frames = [pd.read_csv(path).assign(run=run_id, **labels)
+              for run_id, labels, _ in sweep.planned_runs(only=[tag for tag, _, _ in stage0_runs(reg)])
+              if (path := sweep.OUT / run_id / "history.csv").exists()]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def status(runs: list[Run]) -> pd.DataFrame:
+    """Per stage: runs planned now, finished, and left."""
+    rows = [dict(stage=run.stage, finished=read_finished(run) is not None) for run in runs]
+    if not rows:
+        return pd.DataFrame(columns=["stage", "planned", "finished", "left"])
+    t = pd.DataFrame(rows).groupby("stage", sort=False)["finished"].agg(planned="size", finished="sum").reset_index()
+    return t.assign(left=t["planned"] - t["finished"])
+
+
+def outcomes_of(runs: list[Run], stage: str) -> tuple[pd.DataFrame, list[str]]:
+    """The registered endpoints of a stage's finished runs, and the ids of its planned runs not finished (missing)."""
+    rows, missing = [], []
+    for run in runs:
+        if run.stage != stage:
+            continue
+        h = read_finished(run)
+        if h is None:
+            missing.append(run.run_id)
+            continue
+        o = confirmatory.outcomes(h.assign(run=run.run_id, sweep=stage, config=run.arm, seed=run.seed)).iloc[0]
+        rows.append(dict(o, arm=run.arm, lr=run.lr, rung=run.rung, tis=run.tis, dose=first_step_dose(h)))
+    return pd.DataFrame(rows), missing
+
+
+def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str) -> dict:
+    """tables/06_study_plan.csv always; each question's table once its runs have started; the family of tests and the
+    verdicts in the plan's provenance. Every row is pre-registered (this script runs nothing else)."""
+    q1 = q2 = q3 = None
+    tables = {}
+    for stage in ("q1", "q2", "q3"):
+        done, missing = outcomes_of(runs, stage)
+        if done.empty:
+            continue
+        if stage == "q1":
+            q1 = confirmatory.dose_curve(done)
+            tables["06_study_q1"] = (q1["rungs"], missing)
+        elif stage == "q2":
+            margin = reg["questions"]["Q2_edge"]["equivalence_margin"]["log_step_size"]
+            q2 = confirmatory.edge_shift(done, margin)
+            tables["06_study_q2"] = (q2["arms"], missing)
+        else:
+            q3 = confirmatory.long_horizon(done)
+            tables["06_study_q3"] = (q3["arms"].reset_index(), missing)
+    for name, (table, missing) in tables.items():
+        save_table(table.assign(preregistered=True), name, params=dict(missing=missing))
+    family = confirmatory.holm_family(q1, q2, q3)
+    verdicts = [confirmatory.q1_verdict(q1, family), confirmatory.q2_verdict(q2, family),
+                confirmatory.q3_verdict(q3, family)]
+    save_table(status(runs), "06_study_plan", params=dict(regime=note, waits=waits, tests=family, verdicts=verdicts))
+    return dict(regime=note, waits=waits, verdicts=verdicts)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", action="store_true", help="print each stage's planned and finished runs, and waits")
+    parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
+    args = parser.parse_args()
+    reg = preregistration()
+    r, note = regime(reg, stage0_histories(reg))
+    runs, waits = plan(reg, r, read_finished)
+    if args.plan or args.tables:
+        print(note)
+        print(status(runs).to_string(index=False) if runs else "no run is planned yet")
+        print("\n".join(waits))
+        if args.tables:
+            print(write_tables(reg, runs, waits, note))
+        raise SystemExit(0)
+    if r is None:
+        raise SystemExit(f"nothing to run: {note}")
+    done, failed = 0, set()
+    while True:  # one run at a time, planned again after each: a finished stage unlocks the next
+        todo = [(grpo.GRPOConfig(**sweep.resolved(run.arm, settings_for(r, run))), OUT / run.run_id)
+                for run in runs if run.run_id not in failed and read_finished(run) is None]
+        claim = sweep.claimed(todo)
+        mine = next(claim, None)
+        if mine is None:
+            break
+        for cfg, out, h in arms.run_many([mine], progress=False, keep_going=True):
+            done += 1
+            if isinstance(h, Exception):  # kept with its checkpoint for the next start; not retried by this worker
+                failed.add(out.name)
+            print(f"[{done}] {out.name}: " + (f"FAILED: {''.join(traceback.format_exception(h))}"
+                                            if isinstance(h, Exception) else "done"), flush=True)
+        claim.close()  # lets go of the run's lock
+        runs, waits = plan(reg, r, read_finished)
+    print("nothing more to run now" + ("; " + "; ".join(waits) if waits else "") +
+          " (other workers may hold runs; start this again when they finish)")

@@ -1,0 +1,182 @@
+"""experiments/collapse_study.py: each stage of the registered study plans its runs from the finished runs of the
+stages it rests on, by the registration's rules."""
+
+import importlib.util
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rla_lib.paths import ROOT
+from rla_lib.studies.collapse import preregistration
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("collapse_study", ROOT / "experiments" / "collapse_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+R = dict(model="qwen3-tiny-steps-hot", task="steps", prompts_per_step=16, group_size=16, steps=150, lr=1e-4, tag="t")
+RISES, FALLS = [0.07, 0.15, 0.2, 0.21, 0.2], [0.07, 0.15, 0.2, 0.02, 0.01]
+
+
+def history(steps, accuracies=RISES, dose=1e-3):
+    every = steps // (len(accuracies) - 1) if steps > 1 else 1
+    evals = pd.DataFrame([dict(step=i * every, eval_accuracy=a, eval_prompts=512) for i, a in enumerate(accuracies)])
+    trained = pd.DataFrame(dict(step=range(1, steps + 1), seq_exact_kl=[dose] + [np.nan] * (steps - 1)))
+    return evals.merge(trained, on="step", how="outer").sort_values("step").reset_index(drop=True)
+
+
+class Finished:
+    """A stand-in for results/: the runs given are finished with the histories given."""
+    def __init__(self):
+        self.done = {}
+
+    def __call__(self, run):
+        return self.done.get(run.run_id)
+
+    def finish(self, runs, make):
+        for run in runs:
+            self.done[run.run_id] = make(run)
+
+
+def of(runs, stage):
+    return [run for run in runs if run.stage == stage]
+
+
+def test_no_regime_no_runs_and_the_reason(study):
+    reg = preregistration()
+    assert study.plan(reg, None, Finished()) == ([], [])
+    r, why = study.regime(reg, None)
+    assert r is None and "stage 0 has not started" in why
+
+
+def test_first_the_edge_search_the_calibration_and_the_long_runs(study):
+    runs, waits = study.plan(preregistration(), R, Finished())
+    assert [run.stage for run in runs[:3]] == ["edge"] * 3  # workers take the gating stages first
+    edge = of(runs, "edge")
+    assert [run.lr for run in edge] == pytest.approx([1.5e-4] * 3) and {run.seed for run in edge} == {0, 1, 2}
+    assert all(run.arm == "FP32 control" and run.steps == 100 for run in edge)
+    assert len(of(runs, "calibration")) == 1 + 6 + 4 and all(run.steps == 1 for run in of(runs, "calibration"))
+    assert len(of(runs, "q3")) == 6 and {run.steps for run in of(runs, "q3")} == {500}
+    assert not of(runs, "q1") and not of(runs, "q2")
+    assert any("edge search" in w for w in waits) and any("calibration" in w for w in waits)
+
+
+def test_the_edge_is_the_first_step_size_where_two_of_three_collapse(study):
+    reg, done = preregistration(), Finished()
+    runs, _ = study.plan(reg, R, done)
+    done.finish(of(runs, "edge"), lambda run: history(100, FALLS if run.seed == 0 else RISES))  # 1 of 3
+    runs, _ = study.plan(reg, R, done)
+    second = [run for run in of(runs, "edge") if run.lr > 2e-4]
+    assert [run.lr for run in second] == pytest.approx([1e-4 * 1.5**2] * 3) and not of(runs, "q2")
+    done.finish(second, lambda run: history(100, FALLS if run.seed < 2 else RISES))  # 2 of 3
+    runs, waits = study.plan(reg, R, done)
+    q2 = of(runs, "q2")
+    assert len(q2) == 4 * 3 * 8 and not any("edge" in w for w in waits)
+    assert sorted({round(run.lr / (1e-4 * 1.5**2), 2) for run in q2}) == [0.67, 1.0, 1.5]
+    assert {run.arm for run in q2} == {"default BF16", "engine schedule", "FP32 control", "rope"}
+    assert set(reg["questions"]["Q2_edge"]["arms"]) == {run.arm for run in q2}
+
+
+def test_no_edge_after_four_multiplications_says_q2_cannot_run(study):
+    reg, done = preregistration(), Finished()
+    for _ in range(4):
+        runs, _ = study.plan(reg, R, done)
+        done.finish(of(runs, "edge"), lambda run: history(100))
+    runs, waits = study.plan(reg, R, done)
+    assert len(of(runs, "edge")) == 12 and not of(runs, "q2") and any("Q2 cannot run" in w for w in waits)
+
+
+DOSES = {"default BF16": 1e-3, "default BF16, logit noise 0.1": 0.05, "default BF16, logit noise 0.3": 0.4,
+         "default BF16, logit noise 1": 3.0, "default BF16, logit noise 2": 9.0, "default BF16, logit noise 4": 20.0,
+         "default BF16, logit noise 8": 50.0, "default BF16, 3-bit rollouts": 0.5, "default BF16, 2-bit rollouts": 2.0,
+         "default BF16, 1-bit rollouts": 6.0, "default BF16, 0-bit rollouts": 30.0}
+
+
+def calibrated(study):
+    reg, done = preregistration(), Finished()
+    runs, _ = study.plan(reg, R, done)
+    done.finish(of(runs, "calibration"), lambda run: history(1, [0.07, 0.07], dose=DOSES[run.rung]))
+    return reg, done
+
+
+def test_the_ladder_runs_from_the_natural_level_to_the_first_dose_past_the_paper_like_one(study):
+    reg, done = calibrated(study)
+    runs, _ = study.plan(reg, R, done)
+    q1 = of(runs, "q1")
+    rungs = {run.rung for run in q1}
+    assert rungs == {name for name, d in DOSES.items() if d <= 9.0}  # 9 nats is the first past 8.4
+    assert len(q1) == len(rungs) * 4 * 2 and {run.tis for run in q1} == {False, True}
+    assert all(("tis_cap" in run.settings) == run.tis for run in q1)
+    assert [run.stage for run in runs].index("q1") < [run.stage for run in runs].index("q3")  # the positive control first
+
+
+def test_a_rung_whose_every_seed_collapsed_ends_the_ladder_and_the_bracket_gets_eight_seeds(study):
+    reg, done = calibrated(study)
+    runs, waits = study.plan(reg, R, done)
+    order = sorted((name for name in DOSES if DOSES[name] <= 9.0), key=lambda n: (n != "default BF16", DOSES[n]))
+    # without TIS: nothing collapses below 0.5 nats, half at 0.5, every seed from 2 nats on
+    rate = lambda name: 0.0 if DOSES[name] < 0.5 else 0.5 if DOSES[name] < 2 else 1.0
+    done.finish([run for run in of(runs, "q1") if not run.tis],
+                lambda run: history(150, FALLS if run.seed < 4 * rate(run.rung) else RISES))
+    runs, waits = study.plan(reg, R, done)
+    plain = [run for run in of(runs, "q1") if not run.tis]
+    top = max(order.index(run.rung) for run in plain)
+    assert order[top] == "default BF16, 2-bit rollouts"  # the first rung that always collapsed; none above it
+    bracket = {run.rung for run in plain if run.seed >= 4}
+    assert bracket == {"default BF16, logit noise 0.3", "default BF16, 2-bit rollouts"}  # last <= 0.25, first >= 0.75
+    assert len([run for run in plain if run.seed >= 4]) == 2 * 4
+    assert any("with TIS" in w for w in waits) and not any(w.startswith("Q1's transition waits") for w in waits)
+
+
+def test_run_ids_are_unique_and_settings_are_the_regimes(study):
+    reg, done = calibrated(study)
+    runs, _ = study.plan(reg, R, done)
+    assert len({run.run_id for run in runs}) == len(runs)
+    s = study.settings_for(R, of(runs, "q3")[0])
+    assert (s["model"], s["prompts_per_step"], s["group_size"], s["eval_every"], s["eval_prompts"]) == \
+        (R["model"], 16, 16, 10, 512) and s["steps"] == 500 and s["lr"] == R["lr"]
+
+
+def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path, monkeypatch):
+    """Q3 with default BF16 rising then collapsing in all 3 seeds and the on-policy arm in none of 2 (one missing):
+    the table marks its rows pre-registered and names the missing run; three seeds cannot pass Holm, so no cause."""
+    from rla_lib import report
+
+    monkeypatch.setattr(study, "OUT", tmp_path / "runs")
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
+    reg = preregistration()
+    runs, waits = study.plan(reg, R, Finished())
+    for run in of(runs, "q3"):
+        if run.arm == "engine schedule" and run.seed == 2:
+            continue  # still running
+        folder = tmp_path / "runs" / run.run_id
+        folder.mkdir(parents=True)
+        history(500, FALLS if run.arm == "default BF16" else RISES).to_csv(folder / "history.csv", index=False)
+    out = study.write_tables(reg, runs, waits, "regime R: t")
+    q3, meta = report.load_table("06_study_q3")
+    assert q3.set_index("arm")["rises_then_collapses"].to_dict() == {"default BF16": 3, "engine schedule": 0}
+    assert q3["preregistered"].all() and meta["params"]["missing"] == [r.run_id for r in of(runs, "q3")
+                                                                       if r.arm == "engine schedule" and r.seed == 2]
+    assert out["verdicts"][0] == "Q1 (dose): not run" and out["verdicts"][2].startswith("Q3 (long horizon): cannot tell")
+    plan, meta = report.load_table("06_study_plan")
+    assert plan.set_index("stage").loc["q3", "finished"] == 5 and meta["params"]["waits"] == waits
+
+
+def test_every_planned_run_makes_a_valid_grpo_config(study):
+    """The arms' settings meet GRPOConfig's checks (0-bit rollouts, noise 8, TIS, FP32) before any core is spent."""
+    from rla_lib.grpo import GRPOConfig
+
+    reg, done = calibrated(study)
+    runs, _ = study.plan(reg, R, done)
+    done.finish(of(runs, "edge"), lambda run: history(100, FALLS))
+    runs, _ = study.plan(reg, R, done)
+    assert {"edge", "calibration", "q1", "q2", "q3"} == {run.stage for run in runs}
+    for run in runs:
+        if run.arm != "engine schedule":  # read from the engine when it runs
+            GRPOConfig(**study.settings_for(R, run))
