@@ -142,6 +142,7 @@ test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 measure-example: setup
 	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla measure --model $$m --prompts data/prompts/sums-64.jsonl --out tables/measure-$$m --quiet || exit 1; done
 	@for m in qwen3-tiny qwen2-tiny; do $(VENV)/bin/rla where --model $$m --prompts data/prompts/sums-64.jsonl --out tables/where-$$m || exit 1; done
+	$(VENV)/bin/rla measure --model qwen3-tiny --prompts data/prompts/sums-64.jsonl --modes compiled --top-p 0.9 --out tables/measure-top-p-qwen3-tiny --quiet
 	$(PY) -m tools.readme
 
 # Day-to-day tier: everything except the tests that start vLLM or execute notebooks (marked `engine`) and the

@@ -16,6 +16,8 @@ paired change against stock BF16 and the bitwise share, says which configuration
 or malformed prompt file, a chat prompt for a tokenizer without a chat template, a prompt longer than the context) is
 refused before any engine starts. Below the advice it names what only looks like mismatch (`align.monitor.masquerades`:
 non-finite or placeholder logprobs, a one-sided gap, identical responses independent draws would rarely give).
+`--temperature`, `--top-p` and `--top-k` sample as your trainer's rollouts do; with truncation it also says how far
+the sampler's logprobs (truncated, renormalised) sit above the full softmax a trainer scores, and the gap against each.
 `--max-kl X` makes it a CI gate: after the table, one line, PASS or FAIL with the
 gated side's KL and interval per mode, and exit status 3 when that side's KL exceeds X in any mode (2 is bad input).
 `--report FILE.html` also writes a self-contained page (`rla_lib.mismatch_html`): the table, the advice and every
@@ -35,7 +37,7 @@ import sys
 from pathlib import Path
 
 from . import mismatch_html, mismatch_report, where
-from .engine import MODES, Engine, default_context
+from .engine import MODES, Engine, check_truncation, default_context
 from .engine_align import engine_schedule, exactness
 from .align.schedule import save_schedule
 from .machine import describe, machine
@@ -91,6 +93,10 @@ def cmd_measure(args) -> int:
     report = Path(args.report) if args.report else None
     if report is not None and (report.suffix != ".html" or not (report.parent.is_dir() or report.parent.resolve() == out.resolve())):
         raise ValueError(f"--report {report}: an .html file in an existing folder (or in --out)")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature {args.temperature}: a temperature above 0 (vLLM samples greedily at 0, with no "
+                         "distribution to compare)")
+    check_truncation(args.top_p, args.top_k)
     if args.max_kl is not None and not args.max_kl >= 0:
         raise ValueError(f"--max-kl {args.max_kl}: a KL in nats per token, 0 or more")
     if args.max_kl is not None and args.gate_side not in gate_sides(args):
@@ -99,13 +105,15 @@ def cmd_measure(args) -> int:
     configs = mismatch_report.configs(spec.path, modes, engine_aligned=not args.no_engine_aligned)
     run = measure(spec.path, modes, configs, n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed,
                   fp32_reference=False, prompts=ids, cache_dir=None if args.no_cache else Path(args.cache),
-                  progress=not args.quiet)
+                  progress=not args.quiet, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     df = mismatch_report.summary(run, modes, n_boot=args.n_boot, seed=args.seed)
-    advice = mismatch_report.advice(df) + mismatch_report.masquerade_lines(run, modes, args.samples)
+    advice = (mismatch_report.advice(df) + mismatch_report.sampling_lines(run, modes, args.n_boot, args.seed)
+              + mismatch_report.masquerade_lines(run, modes, args.samples))
     out.mkdir(parents=True, exist_ok=True)
     # the model and prompts as given (a checkpoint's path on this machine means nothing on another)
     params = dict(model=args.model, prompts=args.prompts, n_prompts=len(ids), modes=list(modes),
-                  n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed, n_boot=args.n_boot, advice=advice)
+                  n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed, n_boot=args.n_boot,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, advice=advice)
     save_table(df, "measure", params, out)
     print(f"{spec.path.name}: {len(ids)} prompts x {args.samples} samples, up to {args.max_tokens} tokens; KL in nats per "
           "token, 95% intervals over prompts; change: paired, against stock BF16 on the same tokens\n")
@@ -166,6 +174,10 @@ def parser() -> argparse.ArgumentParser:
                          help="the mismatch of stock, the paper's regions and engine-aligned on your prompts")
     mea.add_argument("--modes", default="compiled,eager", help="vLLM modes, comma-separated (the first samples)")
     mea.add_argument("--samples", type=int, default=2, help="responses per prompt")
+    mea.add_argument("--temperature", type=float, default=1.0, help="sample (and score every side) at this temperature")
+    mea.add_argument("--top-p", type=float, default=1.0, help="nucleus truncation as your sampler runs it; the report "
+                     "shows what the sampler's truncated logprobs add to the gap a trainer sees")
+    mea.add_argument("--top-k", type=int, default=0, help="top-k truncation as your sampler runs it (0: none)")
     mea.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples of prompts per interval")
     mea.add_argument("--out", required=True, help="folder for measure.csv and measure.json (made if missing)")
     mea.add_argument("--no-engine-aligned", action="store_true", help="leave out the engine-aligned side (no schedule read)")

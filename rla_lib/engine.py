@@ -56,6 +56,14 @@ from .settings import setting
 MODES = ("compiled", "eager")
 
 
+def check_truncation(top_p: float, top_k: int) -> None:
+    """Sampling truncation as vLLM takes it: 0 < top_p <= 1 (1: none), top_k a whole number >= 0 (0: none)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1: no nucleus truncation), got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a whole number >= 0 (0: no top-k truncation), got {top_k!r}")
+
+
 @dataclass
 class Sample:
     """One sampled response: its tokens and the engine's logprob of each sampled token."""
@@ -188,7 +196,8 @@ class Engine:
     # ---- sampling ---------------------------------------------------------------------------
     @guest_call
     def sample(self, prompts, n: int = 1, temperature: float = 1.0, max_tokens: int = 32, seed: int | None = 0,
-               progress: bool | None = None, logit_noise: float = 0.0, full: bool = False):
+               progress: bool | None = None, logit_noise: float = 0.0, full: bool = False, top_p: float = 1.0,
+               top_k: int = 0):
         """Sample `n` responses per prompt. Returns one list of `Sample` per prompt.
 
         progress: a bar while sampling (None: only in a Jupyter kernel, see `rla_lib.progress`).
@@ -197,7 +206,9 @@ class Engine:
         vocabularies only, where the engine keeps every logprob).
 
         Each `Sample.logprobs` entry is the sampled token's logprob under the distribution it was drawn
-        from, softmax(FP32 logits / temperature). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
+        from, softmax(FP32 logits / temperature), after top_k and top_p (nucleus) truncation when those are set: then
+        the logprob of the truncated distribution renormalised, above the full softmax a trainer scores (vLLM's
+        `processed_logprobs`; `rla_lib.mismatch_report.sampling_lines` measures the difference). Prompts are strings or token-id lists. Request i uses seed `seed + i`, so results do
         not depend on how prompts are batched; `seed=None` leaves the requests unseeded (vLLM-CPU cannot seed a request
         whose prompt is prefilled in chunks).
         """
@@ -206,11 +217,13 @@ class Engine:
                              f"{self.spec.vocab_size}. Use rla_lib.exact_kl for the exact KL at large vocabularies.")
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0 (a standard deviation), got {logit_noise}")
+        check_truncation(top_p, top_k)
         self._check_open()
         prompt_ids = self._fit(prompts, 1)  # vLLM stops a response at the context end; a prompt must fit
         params = [
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, max_tokens=max_tokens, seed=None if seed is None else seed + i,
+                top_p=top_p, top_k=top_k,
                 logprobs=-1 if full else 0,
                 stop_token_ids=[self.spec.eos_token_id], flat_logprobs=True,
                 detokenize=False,  # vLLM would decode every token and every logprob's token as it goes: once below

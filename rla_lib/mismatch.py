@@ -32,7 +32,7 @@ import pandas as pd
 
 from . import kl, sides, task
 from .align import REGIONS
-from .engine import Engine, default_context
+from .engine import Engine, check_truncation, default_context
 from .exact_kl import exact_kl
 from .machine import machine
 from .mismatch_cache import (cache_folder, copy_side, load_or_sample, load_or_score_exact, load_or_score_side,
@@ -54,19 +54,23 @@ STANDARD = dict(n_prompts=512, n_samples=2, max_tokens=32, seed=0)
 
 # ---- measuring ----------------------------------------------------------------------------------
 def sample_responses(engine, n_prompts: int, n_samples: int, max_tokens: int, temperature: float, seed: int,
-                     progress: bool | None = None, prompts: list[list[int]] | None = None):
-    """Responses sampled by the engine: sequences, response starts, rewards, and the prompt each answers (its index
-    into the held-out split, or into `prompts`, the caller's token ids: their rewards are NaN, nothing checks them)."""
+                     progress: bool | None = None, prompts: list[list[int]] | None = None, top_p: float = 1.0,
+                     top_k: int = 0):
+    """Responses sampled by the engine: sequences, response starts, rewards, the prompt each answers (its index
+    into the held-out split, or into `prompts`, the caller's token ids: their rewards are NaN, nothing checks them),
+    and the sampler's logprob of each response token (after temperature, top_k and top_p)."""
     problems = task.load_split() if prompts is None else None
     if problems is not None and n_prompts > len(problems):
         raise ValueError(f"n_prompts={n_prompts}, but the held-out split has {len(problems)} problems")
     inputs = [p.prompt for p in problems[:n_prompts]] if prompts is None else prompts
     forced = {} if progress is None else {"progress": progress}  # None: the engine's default (bars in a kernel)
-    groups = engine.sample(inputs, n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed, **forced)
+    truncation = {k: v for k, v in dict(top_p=top_p, top_k=top_k).items() if v not in (1.0, 0)}
+    groups = engine.sample(inputs, n=n_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                           **truncation, **forced)
     samples = [(i, s) for i, g in enumerate(groups) for s in g if s.response_ids]
     rewards = [np.nan if problems is None else task.reward(problems[i], s.text) for i, s in samples]
     return ([s.ids for _, s in samples], [s.response_start for _, s in samples], np.array(rewards, np.float64),
-            np.array([i for i, _ in samples], np.int64))
+            np.array([i for i, _ in samples], np.int64), [s.logprobs for _, s in samples])
 
 
 def _temperature_kwargs(temperature: float) -> dict:
@@ -97,11 +101,17 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
                     running.append(stack.enter_context(Engine(model, mode=mode, seed=key["seed"])))
                 return running[0]
 
-            if run is None:  # the first mode samples
-                run = load_or_sample(folder, lambda: MismatchRun(
-                    *sample_responses(engine(), key["n_prompts"], key["n_samples"], key["max_tokens"], temperature,
-                                      key["seed"], progress, prompts),
-                    meta=dict(key) | {"machine_info": machine()}))
+            if run is None:  # the first mode samples; its sampler's logprobs are kept as their own side
+                def sampled_run():
+                    *responses, logprobs = sample_responses(
+                        engine(), key["n_prompts"], key["n_samples"], key["max_tokens"], temperature, key["seed"],
+                        progress, prompts, key.get("top_p", 1.0), key.get("top_k", 0))
+                    run = MismatchRun(*responses, meta=dict(key) | {"machine_info": machine()})
+                    run.add(sides.sampled(mode), [np.concatenate([np.zeros(start, np.float32), lp])
+                                                  for start, lp in zip(run.starts, logprobs)])
+                    return run
+
+                run = load_or_sample(folder, sampled_run, keep=(sides.sampled(mode),))
             if not load_side(run, side, path):
                 def score(run, side):
                     scores = engine().score(run.sequences, full_vocab=full, progress=progress, **t_kwargs)
@@ -177,6 +187,8 @@ def measure(
     cache_dir: Path | None = RESULTS_DIR / "mismatch",
     progress: bool | None = None,
     prompts: list | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> MismatchRun:
     """Sample with the first engine mode, score with every mode and every training configuration.
 
@@ -186,7 +198,8 @@ def measure(
     modes or configurations reuses what is there and scores only what is missing. Two names with the
     same (regions, options) get the same arrays. cache_dir=None: no caching.
     temperature != 1: both the engine and Transformers score softmax(logits / T), the distribution the
-    engine sampled from.
+    engine sampled from. top_p < 1 or top_k > 0 truncate the sampling distribution; every side still scores the full
+    one (what a trainer scores), and the sampler's own logprobs are kept as `sides.sampled(modes[0])`.
     progress: bars over the engine modes and training sides, and vLLM's own while it samples and scores
     (None: only in a Jupyter kernel, see `rla_lib.progress`).
     prompts: your own prompts instead of the task's held-out split (n_prompts is then their number): per prompt a
@@ -194,6 +207,7 @@ def measure(
     `rla_lib.prompts` (and `read_prompts` for a JSON-lines file). Their rewards are NaN.
     """
     _temperature_kwargs(temperature)  # fail before any engine starts
+    check_truncation(top_p, top_k)
     spec = resolve_model(model)
     if prompts is not None:  # rendered and checked here, before any engine starts
         prompts = prompt_ids(prompts, load_tokenizer(spec), spec.name)
@@ -201,7 +215,8 @@ def measure(
         n_prompts = len(prompts)
     if training_configs is None:
         training_configs = {config_name(c): (c, {}) for c in all_configs(REGIONS)}
-    key = sample_key(spec.path, sides.engine(modes[0]), n_prompts, n_samples, max_tokens, temperature, seed, prompts)
+    key = sample_key(spec.path, sides.engine(modes[0]), n_prompts, n_samples, max_tokens, temperature, seed, prompts,
+                     top_p, top_k)
     folder = cache_folder(cache_dir, key)
     full = spec.small_vocab
     samples = None if folder is None else folder / "samples.npz"

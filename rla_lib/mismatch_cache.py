@@ -46,16 +46,18 @@ def core_sources() -> list[Path]:
 
 
 def sample_key(model_dir: Path, sampled_by: str, n_prompts: int, n_samples: int, max_tokens: int,
-               temperature: float, seed: int, prompts: list[list[int]] | None = None) -> dict:
+               temperature: float, seed: int, prompts: list[list[int]] | None = None, top_p: float = 1.0,
+               top_k: int = 0) -> dict:
     """What the sampled responses depend on (the folder of every side scored on them): the engine's machine, not the
     training side's matmul mode (which keys each training side's file instead, `side_file`); the prompts' tokens
-    where they are the caller's rather than the task's held-out split."""
+    where they are the caller's rather than the task's held-out split; top_p and top_k where they truncate (so the
+    folders of untruncated runs keep their names)."""
     key = dict(model=str(model_dir), fingerprint=fingerprint(model_dir), machine=machine_key(engine_only=True),
                sampled_by=sampled_by, n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens,
                temperature=temperature, seed=seed)
     if prompts is not None:
         key["prompts"] = hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:16]
-    return key
+    return key | ({"top_p": top_p} if top_p != 1.0 else {}) | ({"top_k": top_k} if top_k else {})
 
 
 def cache_folder(cache_dir: Path | None, key: dict) -> Path | None:
@@ -123,14 +125,16 @@ def load_or_score_exact(run: MismatchRun, inference: str, side: str, path: Path 
         atomic_write(path, lambda tmp: np.savez_compressed(tmp, tokens=np.array(run.tokens_digest()), exact=run.exact[key]))
 
 
-def load_or_sample(folder: Path | None, sample) -> MismatchRun:
-    """The sampled responses (no sides) from `folder`, or `sample()` saved there."""
+def load_or_sample(folder: Path | None, sample, keep=()) -> MismatchRun:
+    """The sampled responses from `folder`, or `sample()` saved there without its scores, except the sides in `keep`
+    (the sampler's own logprobs, known only when sampling)."""
     path = None if folder is None else folder / "samples.npz"
     if path is not None and path.exists():
         return MismatchRun.load(path)
     run = sample()
     if path is not None:
-        MismatchRun(run.sequences, run.starts, run.rewards, run.prompts, meta=run.meta).save(path)
+        MismatchRun(run.sequences, run.starts, run.rewards, run.prompts, meta=run.meta,
+                    token_lp={side: lp for side, lp in run.token_lp.items() if side in keep}).save(path)
     return run
 
 

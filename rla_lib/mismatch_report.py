@@ -6,6 +6,7 @@ against stock on the same tokens, the share of tokens bit for bit the engine's, 
     df = summary(run, modes)          # one row per (mode, training side), CIs over prompts
     print("\n".join(advice(df)))      # per mode: the configuration to use, or that none helps beyond noise
     masquerade_lines(run, modes, group_size)   # what only looks like mismatch (none on a clean run)
+    sampling_lines(run, modes)                 # with top-p / top-k: the sampler's logprobs against the full softmax
 """
 
 from __future__ import annotations
@@ -126,8 +127,35 @@ def masquerade_lines(run: MismatchRun, modes, group_size: int) -> list[str]:
     for i, (seq, start) in enumerate(zip(run.sequences, run.starts)):
         ids[i, :lengths[i]] = torch.as_tensor(seq[start + 1:])
     stock = padded(run.token_lp[sides.STOCK])
+    # the re-scored logprobs: the sampler's, under truncation, are one-sided and exactly 0 wherever the nucleus held one
+    # token, which `sampling_lines` measures as what it is
     return [f"vLLM {mode}: not rounding: {message}" for mode in modes
             for message in masquerades(padded(run.token_lp[sides.engine(mode)]), stock, mask, ids, group_size).values()]
+
+
+def truncation(run: MismatchRun) -> str:
+    """How the run's sampler truncated its distribution ("top_p 0.9", "top_k 20, top_p 0.9"), or "" (not at all)."""
+    return ", ".join(f"{k} {run.meta[k]:g}" for k in ("top_k", "top_p") if k in run.meta)
+
+
+def sampling_lines(run: MismatchRun, modes, n_boot: int = 2000, seed: int = 0) -> list[str]:
+    """Where the sampler truncated (top-k / top-p), what that does to the gap a trainer sees: vLLM returns each sampled
+    token's logprob under the truncated, renormalised distribution, while the trainer scores the full softmax. On
+    the same tokens: the sampler's logprobs minus the engine's re-scored (full) ones, and stock BF16's k1 gap against
+    each, with 95% intervals over prompts. Empty where nothing was truncated."""
+    how, sampler, full = truncation(run), sides.sampled(modes[0]), sides.engine(modes[0])
+    if not how or sampler not in run.token_lp:
+        return []
+    nats = lambda e: f"{e.value * e.unit:.3g} [{e.ci_low * e.unit:.3g}, {e.ci_high * e.unit:.3g}]"
+    bias = run.estimate(sampler, full, "sampled", n_boot, seed)
+    against_sampler = run.estimate(sampler, sides.STOCK, "sampled", n_boot, seed)
+    against_full = run.estimate(full, sides.STOCK, "sampled", n_boot, seed)
+    return [f"Sampled with {how}: vLLM's sampler returns logprobs of the truncated distribution, renormalised, "
+            f"{nats(bias)} nats per token above the full softmax on these tokens (95% over prompts). A trainer that "
+            f"compares its logprobs with the sampler's sees that as mismatch: stock BF16's k1 gap is {nats(against_sampler)} "
+            f"against the sampler's logprobs and {nats(against_full)} against the full distribution. That part is not "
+            "rounding: score the importance ratio against the untruncated distribution (re-scored logprobs), or apply "
+            "the same truncation to the trainer's logits."]
 
 
 def gate(df, side: str, max_kl: float) -> tuple[bool, str]:

@@ -26,6 +26,12 @@ def engine(mode: str) -> str:
     return f"vllm:{mode}"
 
 
+def sampled(mode: str) -> str:
+    """The engine's logprobs of the tokens it sampled, as its sampler returned them (after temperature, top-k and
+    top-p: what a trainer gets back with the rollouts); `engine(mode)` is the same tokens re-scored, untruncated."""
+    return f"vllm:{mode}:sampled"
+
+
 def training(config: str = "none") -> str:
     return f"hf:bf16:{config}"
 

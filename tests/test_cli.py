@@ -4,6 +4,7 @@ bad input refused before any engine starts."""
 import json
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -84,6 +85,9 @@ def chat_prompts(tmp_path, n: int):
     ("report not html", "an .html file in an existing folder"),
     ("negative gate", "--max-kl -1.0: a KL in nats per token, 0 or more"),
     ("unknown gate side", "--gate-side 'nope': one of 'stock BF16'"),
+    ("top-p out of range", "top_p must be in (0, 1]"),
+    ("negative top-k", "top_k must be a whole number >= 0"),
+    ("greedy", "--temperature 0.0: a temperature above 0"),
 ])
 def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, tmp_path, case, message):
     monkeypatch.setattr(mismatch_report, "engine_schedule_for", None)  # any engine start would fail loudly
@@ -95,7 +99,8 @@ def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, 
              "chat without a template": {"prompts": str(chat_prompts(tmp_path, 2))}, "bad mode": {"modes": "compiled,fast"},
              "out is a file": {"out": str(prompts)}, "negative gate": {"max-kl": "-1"},
              "report not html": {"report": str(tmp_path / "report.txt")},
-             "unknown gate side": {"max-kl": "1e-4", "gate-side": "nope"}}.get(case, {})
+             "unknown gate side": {"max-kl": "1e-4", "gate-side": "nope"}, "top-p out of range": {"top-p": "1.5"},
+             "negative top-k": {"top-k": "-2"}, "greedy": {"temperature": "0"}}.get(case, {})
     assert cli.main(["measure", *[x for k, v in args.items() for x in (f"--{k}", v)]]) == 2
     assert message in capsys.readouterr().err
 
@@ -231,3 +236,31 @@ def test_where_finds_the_first_parting_of_stock_and_none_for_engine_aligned(tmp_
     assert (values["elements"] > 0).all() and (values["differing"] <= values["elements"]).all()
     assert all(cli.where.describe_first(r) in printed for _, r in firsts.reset_index().iterrows())
     assert (out / "where.png").stat().st_size > 0 and json.loads((out / "where.json").read_text())["params"]["sequences"] == 3
+
+
+def test_the_truncation_line_splits_the_gap_a_trainer_sees_into_truncation_and_the_rest():
+    """By hand on a constructed run: the sampler's logprobs sit above the re-scored ones by the truncation; k1 is linear,
+    so stock's gap against the sampler is its gap against the full distribution plus that. No line without truncation,
+    and the masquerade checks read the re-scored logprobs, which truncation does not touch."""
+    from rla_lib import sides
+
+    gen = np.random.default_rng(0)
+    n_prompts, length = 16, 40
+    sequences = [[1, 2] + list(gen.integers(3, 50, length)) for _ in range(2 * n_prompts)]
+    run = MismatchRun(sequences, [1] * len(sequences), np.full(len(sequences), np.nan), np.repeat(np.arange(n_prompts), 2))
+    tokens = len(sequences) * length
+    stock = -gen.exponential(1.0, tokens)
+    rescored = stock + gen.normal(0, 1e-3, tokens)  # rounding: small, both signs
+    removed = gen.uniform(0.0, 0.2, tokens)  # the mass top_p cut at each position
+    run.token_lp = {sides.STOCK: stock.astype(np.float32), sides.engine("eager"): rescored.astype(np.float32),
+                    sides.sampled("eager"): (rescored - np.log1p(-removed)).astype(np.float32)}
+    assert mismatch_report.sampling_lines(run, ("eager",), n_boot=200) == []  # nothing truncated: nothing to say
+    run.meta = {"top_p": 0.9}
+    (line,) = mismatch_report.sampling_lines(run, ("eager",), n_boot=200)
+    by_hand = [np.mean(a - b) for a, b in [(run.token_lp[sides.sampled("eager")], run.token_lp[sides.engine("eager")]),
+                                          (run.token_lp[sides.sampled("eager")], stock.astype(np.float32)),
+                                          (run.token_lp[sides.engine("eager")], stock.astype(np.float32))]]
+    numbers = [float(x) for x in re.findall(r"(-?[\d.]+(?:e-?\d+)?) \[", line)]
+    assert line.startswith("Sampled with top_p 0.9") and numbers == pytest.approx(by_hand, rel=2e-3)
+    assert by_hand[1] == pytest.approx(by_hand[2] + by_hand[0], rel=1e-4)
+    assert mismatch_report.masquerade_lines(run, ("eager",), 2) == []  # re-scored: nothing masquerades; truncation is said above

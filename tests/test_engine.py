@@ -276,3 +276,31 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited already
     except FileNotFoundError:
         return False
+
+
+def test_top_p_logprobs_are_the_truncated_distribution_renormalised(compiled_engine):
+    """With top_p, the sampler's logprob of a token is its full-softmax logprob minus the log of the mass kept, and
+    the kept set is vLLM's nucleus: sorted ascending, the tokens whose cumulative probability is at most 1 - top_p go
+    (the most likely one always stays). Checked against the same tokens re-scored (untruncated) with the whole
+    distribution; a token at the nucleus boundary can fall either way by an FP32 rounding, so at least 99% of
+    positions must agree on the kept set, and every agreeing one to FP32 precision."""
+    top_p = 0.8
+    groups = compiled_engine.sample(PROMPTS, n=4, max_tokens=24, seed=5, top_p=top_p, full=True)
+    samples = [s for g in groups for s in g if s.response_ids]
+    scores = compiled_engine.score([s.ids for s in samples], full_vocab=True)
+    agree = total = 0
+    for s, sc in zip(samples, scores):
+        start = len(s.prompt_ids) - 1
+        full = sc.full[start:start + len(s.response_ids)].astype(np.float64)  # untruncated, per response position
+        probs = np.exp(full)
+        ascending = np.sort(probs, axis=-1)
+        cutoff = ascending[np.arange(len(probs)), np.maximum((np.cumsum(ascending, -1) <= 1 - top_p).sum(-1) - 1, 0)]
+        removed = (np.cumsum(ascending, -1) <= 1 - top_p).sum(-1)
+        kept_by_hand = probs > np.where(removed > 0, cutoff, -np.inf)[:, None]
+        kept = np.isfinite(s.full)
+        same = (kept == kept_by_hand).all(-1)
+        agree, total = agree + int(same.sum()), total + len(same)
+        mass = np.log(np.where(kept, probs, 0).sum(-1))
+        np.testing.assert_allclose(s.logprobs[same], (full[np.arange(len(full)), s.response_ids] - mass)[same], atol=2e-5)
+        assert (s.logprobs >= full[np.arange(len(full)), s.response_ids] - 2e-5).all()  # truncation only raises it
+    assert agree >= 0.99 * total and total > 50, (agree, total)

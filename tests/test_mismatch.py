@@ -181,7 +181,8 @@ class FakeEngine:
     def __exit__(self, *exc):
         return False
 
-    def sample(self, prompts, n, max_tokens, temperature, seed):
+    def sample(self, prompts, n, max_tokens, temperature, seed, **truncation):
+        FakeEngine.truncation = truncation
         rng = np.random.default_rng(seed)
         groups = []
         for i, _ in enumerate(prompts):
@@ -219,7 +220,7 @@ def test_measure_reuses_samples_engine_scores_and_training_sides(tmp_path, monke
     assert FakeEngine.given == [resolve_model("qwen3-tiny")]  # the name is resolved once, at the top, and handed down
     np.testing.assert_array_equal(first.token_lp["hf:bf16:none"], first.token_lp["hf:bf16:stock"])  # same computation
     assert set(first.prompts) == {0, 2, 3, 4, 5} and len(first.sequences) == 10  # empty responses dropped
-    assert first.sides == ["vllm:compiled", "hf:bf16:none", "hf:bf16:stock", "hf:fp32"]
+    assert first.sides == ["vllm:compiled:sampled", "vllm:compiled", "hf:bf16:none", "hf:bf16:stock", "hf:fp32"]
 
     second = mismatch.measure("qwen3-tiny", modes=("compiled", "eager"),
                               training_configs={"stock again": ((), {}), "swiglu": (("swiglu",), {"rope_cos_sin": "bf16"})}, **sizes)
@@ -288,3 +289,24 @@ def test_split_prompts_keeps_each_prompts_responses_together_and_their_scores():
     assert run.split_prompts(seed=1)[0].sequences == probe.sequences  # seeded
     with pytest.raises(ValueError, match="two prompts"):
         run.subset(run.prompts == 0).split_prompts()
+
+
+def test_truncated_sampling_is_its_own_cache_folder_and_keeps_the_samplers_logprobs(tmp_path, monkeypatch):
+    """top_p / top_k reach the engine only when they truncate, key the samples' folder only then (untruncated runs keep
+    their folders), and the sampler's logprobs come back from the cache as their own side."""
+    FakeEngine.started = []
+    monkeypatch.setattr(mismatch, "Engine", FakeEngine)
+    sizes = dict(modes=("compiled",), training_configs={"none": ((), {})}, n_prompts=4, n_samples=2, max_tokens=4,
+                 fp32_reference=False, cache_dir=tmp_path)
+    plain = mismatch.measure("qwen3-tiny", **sizes)
+    assert FakeEngine.truncation == {} and "top_p" not in plain.meta
+    nucleus = mismatch.measure("qwen3-tiny", top_p=0.9, top_k=20, **sizes)
+    assert FakeEngine.truncation == {"top_p": 0.9, "top_k": 20} and (nucleus.meta["top_p"], nucleus.meta["top_k"]) == (0.9, 20)
+    assert len(list(tmp_path.glob("*/samples.npz"))) == 2
+    again = mismatch.measure("qwen3-tiny", top_p=0.9, top_k=20, **sizes)
+    assert FakeEngine.started == ["compiled", "compiled"]  # the second truncated call read everything from the cache
+    np.testing.assert_array_equal(again.token_lp["vllm:compiled:sampled"], nucleus.token_lp["vllm:compiled:sampled"])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        mismatch.measure("qwen3-tiny", top_p=0.0, **sizes)
+    with pytest.raises(ValueError, match="top_k must be a whole number"):
+        mismatch.measure("qwen3-tiny", top_k=-1, **sizes)

@@ -236,6 +236,17 @@ def block_measure() -> str:
     return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice), *sources])
 
 
+def block_measure_top_p() -> str:
+    """`rla measure --top-p` on an embedded model: what the sampler's truncated logprobs add to the gap, as printed."""
+    _, meta = load_table("measure", TABLES_DIR / "measure-top-p-qwen3-tiny")
+    p = meta["params"]
+    setting = (f"_`rla measure --top-p {p['top_p']:g}` on qwen3-tiny, `{p['prompts']}` ({p['n_prompts']} prompts x "
+               f"{p['n_samples']} samples of up to {p['max_tokens']} tokens, vLLM {p['modes'][0]}), beside its advice:_")
+    lines = [line for line in p["advice"] if line.startswith("Sampled with")]
+    return "\n\n".join([setting, "\n".join(f"> {line}" for line in lines),
+                         source("measure-top-p-qwen3-tiny/measure", meta)])
+
+
 def block_where() -> str:
     """`rla where` on the embedded models: each (mode, side, reading)'s first parting, as the command printed it."""
     lines, sources = [], []
@@ -610,6 +621,7 @@ BLOCKS = {
     "front-study": measured_by(".venv/bin/python experiments/grpo_sweep.py --stage0-table", block_front_study),
     "measure": measured_by("make measure-example", block_measure),
     "where": measured_by("make measure-example", block_where),
+    "measure-top-p": measured_by("make measure-example", block_measure_top_p),
     "settings": block_settings,
     "real-shape-results": measured_by("make test-real-shape", block_real_shape_results),
     "real-shape-notebooks": measured_by("make test-real-shape", block_real_shape_notebooks),
