@@ -74,6 +74,37 @@ def test_keys_also_under_verl_and_trl_names_equal_their_formulas():
         mismatch_metrics(rollout, old, mask, also_as="verl")
 
 
+def test_importance_weight_spread_is_verls_token_level_definition():
+    """verl's rollout_is_std, rollout_is_eff_sample_size and rollout_is_ratio_fraction_low (compute_is_metrics with
+    rollout_is="token": weights exp(clamp(log rho, +-20)), clamped to [1/cap, cap] for the std and the ESS) and its
+    chi2_seq (compute_offpolicy_metrics: the mean over responses of exp(2 clamp(sum log rho, +-20)), minus 1), written
+    here as verl writes them, against ours on a batch wide enough to reach both clamps."""
+    gen = torch.Generator().manual_seed(1)
+    rollout = -torch.rand(6, 11, generator=gen, dtype=torch.float64) * 3
+    old = rollout + torch.randn(6, 11, generator=gen, dtype=torch.float64) * 0.8  # some rho beyond 2 and below 1/2
+    mask = (torch.arange(11) < torch.tensor([[11], [3], [8], [1], [11], [5]])).to(torch.float64)
+    cap = 2.0
+
+    def masked_mean(x, axis=None):
+        return (x * mask).sum() / mask.sum() if axis is None else (x * mask).sum(axis) / mask.sum(axis)
+
+    log_ratio = old - rollout
+    weights = torch.exp(log_ratio.clamp(-20, 20)) * mask
+    clamped = weights.clamp(min=1 / cap, max=cap)
+    std = torch.sqrt(torch.clamp(masked_mean(clamped.square()) - masked_mean(clamped).square(), min=0.0))
+    ess = 1.0 / masked_mean((clamped / (masked_mean(clamped) + 1e-8)).square())
+    low = masked_mean((weights < 1 / cap).to(torch.float64))
+    chi2_seq = torch.exp(2.0 * (log_ratio * mask).sum(-1).clamp(-20, 20)).mean() - 1.0
+    m = mismatch_metrics(rollout, old, mask, tis_cap=cap, also_as=("verl",))
+    assert 0 < float(low) < 0.5 and float((weights > cap).sum()) > 0  # both clamps matter here
+    for ours, theirs in (("is_ratio_std", std), ("is_ess", ess), ("is_ratio_below_floor", low), ("chi2_seq", chi2_seq)):
+        assert m[PREFIX + ours] == pytest.approx(float(theirs), rel=1e-12), ours
+    assert m["rollout_corr/chi2_seq"] == m[PREFIX + "chi2_seq"]
+    assert 0 < m[PREFIX + "is_ess"] < 1
+    same = mismatch_metrics(rollout, rollout, mask)  # no mismatch: every weight 1
+    assert same[PREFIX + "is_ratio_std"] == 0 and same[PREFIX + "is_ess"] == pytest.approx(1, abs=1e-7)
+
+
 def test_padding_is_ignored_whatever_it_holds():
     inf, train, mask = _hand_case()
     m = mismatch_metrics(inf, train, mask)

@@ -62,7 +62,8 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
     rollout_corr/ppl_ratio               -                             mean over responses of exp(mean d)
     rollout_corr/training_ppl, _log_ppl, rollout_ppl, rollout_log_ppl   -   each side's perplexity, not a gap
     rollout_corr/chi2_token              mismatch/chi2_token           equal: token mean of rho^2, minus 1
-    rollout_corr/chi2_seq                -                             mean over responses of prod rho^2, minus 1
+    rollout_corr/chi2_seq                mismatch/chi2_seq             equal: mean over responses of prod rho^2, minus 1
+                                                                       (verl clamps the log of the product to [-20, 20])
     rollout_corr/rollout_is_mean         mismatch/is_ratio_mean        equal with rollout_is="token" (verl clamps
                                                                        log rho to [-20, 20] first); with "sequence"
                                                                        verl averages sequence weights: differs
@@ -70,12 +71,18 @@ log_ratio is -d). Equal means equal by definition on the same masked tokens; ver
     rollout_corr/rollout_is_ratio_fraction_high   mismatch/is_ratio_above_cap (rollout_is="token") or
                                          mismatch/seq_is_ratio_above_cap ("sequence"): equal with
                                          tis_cap = rollout_is_threshold
-    rollout_corr/rollout_is_ratio_fraction_low, _std, _eff_sample_size, _seq_*   -   not computed here
+    rollout_corr/rollout_is_ratio_fraction_low   mismatch/is_ratio_below_floor   equal with rollout_is="token" and
+                                         tis_cap = rollout_is_threshold (the floor is its reciprocal)
+    rollout_corr/rollout_is_std          mismatch/is_ratio_std         equal with rollout_is="token" (both clamp the
+                                                                       weights to [1 / cap, cap] first)
+    rollout_corr/rollout_is_eff_sample_size   mismatch/is_ess          equal with rollout_is="token": 1 / mean of the
+                                         squared clamped weights over their mean (a share: 1 when every weight is equal)
+    rollout_corr/rollout_is_seq_*        -                             not computed here
     -                                    mismatch/exact_kl, k1_per_sequence, k3_per_sequence, abs_diff_max,
                                          tis_weight_mean   (verl has no counterpart)
 
 `also_as=("verl",)` (or "trl") logs the keys that are the same quantity under that trainer's names too (`ALSO_AS`):
-verl's rollout_corr/kl, k3_kl and chi2_token (equal while no |d| exceeds 20, where some verl releases clamp log rho),
+verl's rollout_corr/kl, k3_kl, chi2_token and chi2_seq (equal while no |d| exceeds 20, where some verl releases clamp log rho),
 TRL's sampling/sampling_logp_difference/mean and /max (equal on one process; across processes TRL averages each
 process's mean, these pool the tokens).
 
@@ -117,8 +124,10 @@ def exact_terms(inf_full, train_full):
 
 TIS_CAP = 2.0  # the importance-weight cap of the statistics below: verl's default, and this project's TIS setting
 MISMATCH_STATS = ("k1", "k3", "abs_diff_mean", "abs_diff_max", "k1_per_sequence", "k3_per_sequence", "is_ratio_mean",
-                  "is_ratio_min", "is_ratio_max", "chi2_token", "tis_weight_mean", "is_ratio_above_cap",
-                  "seq_is_ratio_above_cap")
+                  "is_ratio_min", "is_ratio_max", "chi2_token", "chi2_seq", "tis_weight_mean", "is_ratio_above_cap",
+                  "is_ratio_below_floor", "seq_is_ratio_above_cap", "is_ratio_clamped_mean", "is_ratio_clamped_sq_mean",
+                  "is_ratio_std", "is_ess")
+LOG_RATIO_BOUND = 20.0  # verl clamps log rho (and a response's sum of them) to [-20, 20] before exponentiating
 
 
 def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None, training_full=None,
@@ -134,9 +143,14 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     response, averaged over responses; abs_diff_mean / abs_diff_max = mean / max |d|;
     k1_per_sequence / k3_per_sequence = each response's sum of terms, averaged over responses (nats per
     response: the log of a sequence-level importance ratio is a sum); is_ratio_mean / min / max = of rho,
-    untruncated; chi2_token = mean(rho^2) - 1; tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
-    is_ratio_above_cap = the fraction of tokens with rho > tis_cap; seq_is_ratio_above_cap = the fraction of
-    responses whose product of rho exceeds tis_cap. Also `tokens` and `sequences` (non-empty responses).
+    untruncated; chi2_token = mean(rho^2) - 1; chi2_seq = the mean over responses of (prod rho)^2, minus 1 (log of the
+    product clamped to [-20, 20], as verl); tis_weight_mean = mean min(rho, tis_cap), the weight truncated importance sampling applies;
+    is_ratio_above_cap / is_ratio_below_floor = the fraction of tokens with rho > tis_cap / rho < 1 / tis_cap;
+    seq_is_ratio_above_cap = the fraction of responses whose product of rho exceeds tis_cap; with w = rho clamped
+    to [1 / tis_cap, tis_cap], is_ratio_clamped_mean and is_ratio_clamped_sq_mean = mean w and mean w^2 (what the
+    next two are made of, so ranks pool them exactly), is_ratio_std = their standard deviation and is_ess =
+    mean(w)^2 / mean(w^2), the effective sample size per token (verl's, with its 1e-8 guard).
+    Also `tokens` and `sequences` (non-empty responses).
     With no tokens every statistic is nan.
     """
     inf = [np.asarray(a, np.float64) for a in inference_logprobs]
@@ -153,6 +167,11 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     seq_d = np.array([t.sum() for t in np.split(d, ends)])[lengths > 0]
     seq_k3 = np.array([t.sum() for t in np.split(k3, ends)])[lengths > 0]
     rho = np.exp(-d)
+    clamped = np.clip(np.exp(np.clip(-d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)), 1 / tis_cap, tis_cap)
+    out |= {"chi2_seq": np.mean(np.exp(2 * np.clip(-seq_d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))) - 1,
+            "is_ratio_below_floor": (rho < 1 / tis_cap).mean(), "is_ratio_clamped_mean": clamped.mean(),
+            "is_ratio_clamped_sq_mean": np.mean(clamped**2)}
+    out |= _spread(out["is_ratio_clamped_mean"], out["is_ratio_clamped_sq_mean"])
     out |= {"k1": d.mean(), "k3": k3.mean(), "abs_diff_mean": np.abs(d).mean(), "abs_diff_max": np.abs(d).max(),
             "k1_per_sequence": seq_d.mean(), "k3_per_sequence": seq_k3.mean(), "is_ratio_mean": rho.mean(),
             "is_ratio_min": rho.min(), "is_ratio_max": rho.max(), "chi2_token": np.mean(rho**2) - 1, "tis_weight_mean": np.minimum(rho, tis_cap).mean(),
@@ -168,15 +187,22 @@ def mismatch_summary(inference_logprobs, training_logprobs, inference_full=None,
     return {k: v if k in ("tokens", "sequences") else float(v) for k, v in out.items()}
 
 
+def _spread(mean: float, sq_mean: float) -> dict:
+    """verl's rollout_is_std and rollout_is_eff_sample_size from the clamped weights' first two moments."""
+    return {"is_ratio_std": math.sqrt(max(sq_mean - mean**2, 0.0)), "is_ess": (mean + 1e-8) ** 2 / sq_mean}
+
+
 PREFIX = "mismatch/"
 _COUNTS = ("tokens", "sequences", "nonfinite")
 # how each statistic pools: a mean over tokens, a mean over responses, a maximum, a minimum (`across_ranks`)
-_TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "chi2_token", "tis_weight_mean", "is_ratio_above_cap", "exact_kl")
-_SEQUENCE_MEANS = ("k1_per_sequence", "k3_per_sequence", "seq_is_ratio_above_cap", "exact_kl_per_sequence")
+_TOKEN_MEANS = ("k1", "k3", "abs_diff_mean", "is_ratio_mean", "chi2_token", "tis_weight_mean", "is_ratio_above_cap",
+                "is_ratio_below_floor", "is_ratio_clamped_mean", "is_ratio_clamped_sq_mean", "exact_kl")
+_SEQUENCE_MEANS = ("k1_per_sequence", "k3_per_sequence", "seq_is_ratio_above_cap", "exact_kl_per_sequence", "chi2_seq")
 _MAXIMA, _MINIMA = ("abs_diff_max", "is_ratio_max"), ("is_ratio_min",)
 # our key -> another trainer's key for the same quantity on the same masked tokens (the tables above: "equal")
 ALSO_AS = {
-    "verl": {"k1": "rollout_corr/kl", "k3": "rollout_corr/k3_kl", "chi2_token": "rollout_corr/chi2_token"},
+    "verl": {"k1": "rollout_corr/kl", "k3": "rollout_corr/k3_kl", "chi2_token": "rollout_corr/chi2_token",
+             "chi2_seq": "rollout_corr/chi2_seq"},
     "trl": {"abs_diff_mean": "sampling/sampling_logp_difference/mean",
             "abs_diff_max": "sampling/sampling_logp_difference/max"},
 }
@@ -302,6 +328,9 @@ def across_ranks(metrics: dict[str, float], group=None) -> dict[str, float]:
     for i, key in enumerate(_MAXIMA + _MINIMA):
         value = extremes[i].item() if counts["tokens"] else np.nan
         out[key] = -value if key in _MINIMA else value
+    if "is_ratio_std" in stats:  # made of pooled moments, not pooled themselves
+        out |= (_spread(out["is_ratio_clamped_mean"], out["is_ratio_clamped_sq_mean"]) if counts["tokens"]
+                else {"is_ratio_std": np.nan, "is_ess": np.nan})
     return {PREFIX + k: float(v) for k, v in out.items()}
 
 
