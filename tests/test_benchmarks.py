@@ -36,6 +36,7 @@ FIGURES = {
                            r"A run would take `make setup`, then `make test`",
     "grpo_step.py": rf"^\s+total: {NUMBER} s\s+\(mean response length {NUMBER} tokens; \d+ real tokens per step",
     "scoring_memory.py": rf"^chunked / naive peak, grad=True: {NUMBER}",
+    "split_kv.py": rf"^\s*Qwen3-0\.6B\s+8\s+128\s+\d+\s+\d+\s+\d+\s+{NUMBER}(?:e-\d+)?\s",  # parts, draws, ...
 }
 
 
