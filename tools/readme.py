@@ -361,6 +361,37 @@ def block_engine_settings() -> str:
                          f"Engine-aligned, by setting: {summary}.", source("engine_settings", meta, collected=True)])
 
 
+def block_split_kv() -> str:
+    """Split-KV decode (benchmarks/split_kv.py): the kernel's share of decode calls whose output bits change, by head
+    shape, keys and threads; an engine of two threads end to end, split on and off, against the aligned side."""
+    kernel, kmeta = load_table("split_kv_kernel")
+    engine, emeta = load_table("split_kv_engine")
+    shapes = list(dict.fromkeys(kernel["shape"]))
+    rows = []
+    for (threads, keys), g in kernel.groupby(["threads", "keys"], sort=True):
+        g = g.set_index("shape")
+        rows.append([str(threads), str(keys), str(int(g["parts"].iloc[0]))]
+                    + [f"{int(g.loc[s, 'draws_differing'])} of {int(g.loc[s, 'draws'])}" for s in shapes])
+    table = md_table(["threads", "keys", "parts", *[f"{s}: outputs with other bits" for s in shapes]], rows)
+    e = engine.set_index(["batch", "split_kv"])
+    lines = []
+    for batch in sorted(set(engine["batch"])):
+        on, off = e.loc[(batch, True)], e.loc[(batch, False)]
+        where = f" (at {on['keys_where_differing']} keys)" if int(on["tokens_differing"]) else ""
+        lines.append(f"- {'each prompt alone' if batch == 1 else f'{batch} prompts a step'}: "
+                     f"{int(on['tokens_differing'])} of {int(on['tokens_compared'])} sampled logprobs differ between split "
+                     f"on and off{where}; engine-aligned is bitwise on {on['sampled_bitwise']:.2%} of sampled tokens with "
+                     f"it on ({int(on['prompts_all_bitwise'])} of {int(on['prompts'])} prompts, exact KL "
+                     f"{'0' if on['kl_all_zero'] in (True, 'True') else format(on['exact_kl'], '.2g')}) and "
+                     f"{off['sampled_bitwise']:.2%} with it off (exact KL "
+                     f"{'0' if off['kl_all_zero'] in (True, 'True') else format(off['exact_kl'], '.2g')}); "
+                     f"{on['seconds']:.1f} s on, {off['seconds']:.1f} s off")
+    r = engine.iloc[0]
+    setting = (f"_{r['model']}, vLLM {r['mode']} on {int(r['engine_threads'])} threads, {int(r['prompts'])} prompts, "
+               f"up to {emeta['params']['max_tokens']} tokens each:_")
+    return "\n\n".join([table, source("split_kv_kernel", kmeta), setting, "\n".join(lines), source("split_kv_engine", emeta)])
+
+
 def block_fsdp_engine() -> str:
     t, meta = load_table("fsdp_engine")
     rows = [[r["arm"], int(r["step"]), f"{int(r['response_tokens'])}", f"{r['bitwise']:.1%}", f"{r['max_abs_diff']:.3g}"]
@@ -628,6 +659,7 @@ BLOCKS = {
     "scoring-memory": measured_by(".venv/bin/python benchmarks/scoring_memory.py", block_scoring_memory),
     "fsdp": measured_by("make fsdp-grpo", block_fsdp),
     "engine-settings": measured_by(".venv/bin/python benchmarks/engine_settings.py", block_engine_settings),
+    "split-kv": measured_by(".venv/bin/python benchmarks/split_kv.py", block_split_kv),
     "fsdp-engine": measured_by(".venv/bin/python experiments/fsdp_grpo.py --engine", block_fsdp_engine),
     "trl": measured_by(".venv/bin/python experiments/trl_grpo.py", block_trl),
     "suite-time": measured_by(".venv/bin/python benchmarks/fresh_clone_test.py", block_suite_time),
