@@ -16,8 +16,10 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_gener
 
 
 def with_chat_template(tmp_path, model="qwen3-tiny"):
-    """A copy of an embedded checkpoint whose tokenizer has a chat template (the folder keeps the model's name)."""
-    path = shutil.copytree(resolve_model(model).path, tmp_path / "chat" / model)
+    """A copy of a checkpoint (an embedded name or a folder) whose tokenizer has a chat template (the folder keeps the
+    checkpoint's name)."""
+    source = resolve_model(str(model)).path
+    path = shutil.copytree(source, tmp_path / "chat" / source.name)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
     return path
