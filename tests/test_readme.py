@@ -440,3 +440,19 @@ def test_the_front_pages_study_sentence_names_no_cause_before_a_registered_test(
     sentence = block.split("\n\n")[2]
     assert sentence.startswith(start) and "cannot tell" in sentence.lower()
     assert not re.search(r"\b(causes|caused by|because of|step size, not)\b", sentence.replace("whether the mismatch causes", ""))
+
+
+def test_a_stage0_candidate_with_no_finished_seed_shows_no_numbers(monkeypatch):
+    """A candidate whose runs have started but none finished (a row with 0 seeds done) is shown as not run, not as
+    "0 of 0" or a NaN gain."""
+    import pandas as pd
+
+    from tools import readme_front
+
+    table, meta = report.load_table("06_stage0")
+    started = table.iloc[:1].assign(seeds_done=0, learned=0, collapsed=0, mean_gain=float("nan"), complete=False, learns=False)
+    rows = pd.concat([started, table.iloc[1:]], ignore_index=True)
+    monkeypatch.setattr(readme_front, "load_table", lambda name: (rows, meta))
+    block = readme_front.block_front_study()
+    first = block.splitlines()[2]
+    assert "| 0 of 3 | - | - | - |" in first and "nan" not in block.lower() and "0 of 0" not in block

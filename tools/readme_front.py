@@ -105,7 +105,7 @@ def block_front_study() -> str:
     seeds = len(reg["stage_0_regime"]["seeds"])
     rows, finished = [], 0
     for tag, cand, lr in collapse.stage0_runs(reg):
-        r = done.loc[tag] if done is not None and tag in done.index else None
+        r = done.loc[tag] if done is not None and tag in done.index and done.loc[tag, "seeds_done"] > 0 else None
         n = 0 if r is None else int(r["seeds_done"])
         finished += n
         rows.append([_candidate(tag, cand, lr), f"{n} of {seeds}", "-" if r is None else f"{int(r['learned'])} of {n}",
