@@ -158,6 +158,11 @@ def sampling_lines(run: MismatchRun, modes, n_boot: int = 2000, seed: int = 0) -
             "the same truncation to the trainer's logits."]
 
 
+def _counted(row) -> str:
+    """": N tokens of P prompts" where the row counts them, else nothing."""
+    return f": {int(row['tokens']):,} tokens of {int(row['prompts'])} prompts" if "tokens" in row and "prompts" in row else ""
+
+
 def gate(df, side: str, max_kl: float) -> tuple[bool, str]:
     """A trainer's CI check on a `summary`: does `side`'s mismatch stay within `max_kl` (nats per token) in every engine
     mode? The exact KL where the run has it, else k3; the estimate is compared (its interval is reported beside it).
@@ -168,8 +173,9 @@ def gate(df, side: str, max_kl: float) -> tuple[bool, str]:
     worst, verdicts = None, []
     for _, r in rows.iterrows():
         e = "exact" if r["exact"] == r["exact"] else "k3"  # NaN: no exact KL in this run
-        verdicts.append((r[e] > max_kl, r[e], f"{side} vs vLLM {r['mode']}: {'exact KL' if e == 'exact' else 'k3'} "
-                         f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}] nats per token"))
+        value = (f"0 nats per token (0 on every token{_counted(r)})" if r[e] == 0 and r[f"{e} ci_high"] == 0 else
+                 f"{r[e]:.3g} [{r[f'{e} ci_low']:.3g}, {r[f'{e} ci_high']:.3g}] nats per token")  # no zero-width interval
+        verdicts.append((r[e] > max_kl, r[e], f"{side} vs vLLM {r['mode']}: {'exact KL' if e == 'exact' else 'k3'} {value}"))
         worst = verdicts[-1] if worst is None or verdicts[-1][1] > worst[1] else worst
     failed = [text for over, _, text in verdicts if over]
     if failed:

@@ -173,7 +173,8 @@ def test_the_ci_gate_passes_and_fails_on_either_side_of_its_threshold():
     assert passed and line.startswith("PASS: stock BF16 vs vLLM eager: exact KL 0.0003 [0.00015, 0.0006]")
     passed, line = mismatch_report.gate(df, "stock BF16", 2e-4)
     assert not passed and line == "FAIL: stock BF16 vs vLLM eager: exact KL 0.0003 [0.00015, 0.0006] nats per token > --max-kl 0.0002"
-    assert mismatch_report.gate(df, mismatch_report.ENGINE_ALIGNED, 0.0)[0]  # 0 <= 0: an exact side passes a zero gate
+    passed, line = mismatch_report.gate(df, mismatch_report.ENGINE_ALIGNED, 0.0)  # 0 <= 0: an exact side passes a zero gate
+    assert passed and "exact KL 0 nats per token (0 on every token)" in line and "[0, 0]" not in line  # no zero-width interval
     no_exact = pd.DataFrame([row("compiled", "stock BF16", float("nan"), k3=4e-4)])
     assert mismatch_report.gate(no_exact, "stock BF16", 1e-4) == (
         False, "FAIL: stock BF16 vs vLLM compiled: k3 0.0004 [0.0002, 0.0008] nats per token > --max-kl 0.0001")

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from rla_lib import mismatch_report
 from rla_lib.align import REGIONS
 from rla_lib.kl import FEW_PROMPTS
 from rla_lib.sides import config_name
@@ -233,7 +234,13 @@ def block_measure() -> str:
                f"tokens, 95% intervals over prompts). Its advice:_")
     sources = [source(f"measure-{m}/measure", meta) for m, meta in zip(MEASURE_MODELS, metas)]
     table = md_table(["model", "engine", "stock BF16: exact KL", "RoPE only", "the paper's three regions", "engine-aligned"], rows)
-    return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice), *sources])
+    # the CI gate's line on the first model's scores, as `rla measure ... --max-kl 0` prints it for each side
+    first, _ = load_table("measure", TABLES_DIR / f"measure-{MEASURE_MODELS[0]}")
+    gates = [f"- `--gate-side \"{side}\" --max-kl 0`: rla measure: {mismatch_report.gate(first, side, 0.0)[1]}"
+             for side in (mismatch_report.ENGINE_ALIGNED, "stock BF16")]
+    return "\n\n".join([table, setting, "\n".join(f"- {a}" for a in advice),
+                         f"_As a CI gate, on {MEASURE_MODELS[0]}'s scores (exit 0 on PASS, 3 on FAIL):_", "\n".join(gates),
+                         *sources])
 
 
 def block_measure_top_p() -> str:
