@@ -145,10 +145,12 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
         dose = {name: first_step_dose(h) for name, h in doses.items()}
         order = sorted(rungs, key=lambda name: (name != NATURAL, dose[name]))
         past = next((i for i, name in enumerate(order) if dose[name] > PAPER_LIKE_DOSE), len(order) - 1)
+        def rung_run(name, tis, seed):
+            return Run("q1", name + (TIS if tis else ""), r["lr"], seed, Q1_STEPS,
+                       rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
+
         for tis in (False, True):
-            base = [Run("q1", name + (TIS if tis else ""), r["lr"], s, Q1_STEPS,
-                        rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
-                    for s in Q1_SEEDS for name in order[: past + 1]]
+            base = [rung_run(name, tis, s) for s in Q1_SEEDS for name in order[: past + 1]]
             by_rung = {name: [outcome(run) for run in base if run.rung == name] for name in order[: past + 1]}
             top = next((i for i, name in enumerate(order[: past + 1])
                         if all(o is not None and o["collapsed"] for o in by_rung[name])), past)
@@ -161,9 +163,7 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
             low = [name for name in order[: top + 1] if rates[name] <= 0.25]
             high = [name for name in order[: top + 1] if rates[name] >= 0.75]
             bracket = ([low[-1]] if low else []) + ([high[0]] if high else [])
-            runs += [Run("q1", name + (TIS if tis else ""), r["lr"], s, Q1_STEPS,
-                         rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
-                     for s in Q1_BRACKET_SEEDS for name in dict.fromkeys(bracket)]
+            runs += [rung_run(name, tis, s) for s in Q1_BRACKET_SEEDS for name in dict.fromkeys(bracket)]
 
     # 4. Q2 at the edge; 5. Q3 at lr_R
     if lr_edge is not None:

