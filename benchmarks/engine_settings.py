@@ -35,7 +35,7 @@ from rla_lib.engine import Engine
 from rla_lib.engine_align import align_to_engine
 from rla_lib.machine import cpu_generation, cpu_model, isa_level, vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer
-from rla_lib.report import TABLES_DIR, save_table
+from rla_lib.report import save_collected
 from rla_lib.scoring import token_logprobs
 
 TABLE = "engine_settings"
@@ -103,11 +103,8 @@ def main(argv=None) -> None:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(new.drop(columns=["options"]).to_string(index=False))
     if args.save:
-        path = TABLES_DIR / f"{TABLE}.csv"
-        old = pd.read_csv(path) if path.exists() else new.iloc[:0]
-        key = ["cpu", "level", "model", "mode", "setting"]  # a run of this CPU and level replaces its own rows
-        table = pd.concat([old[~old.set_index(key).index.isin(new.set_index(key).index)], new], ignore_index=True)
-        save_table(table, TABLE, dict(prompts=args.prompts, samples=args.samples, chunk_budget=CHUNK_BUDGET))
+        save_collected(new, TABLE, ["cpu", "level", "model", "mode", "setting"],
+                       dict(prompts=args.prompts, samples=args.samples, chunk_budget=CHUNK_BUDGET))
 
 
 if __name__ == "__main__":

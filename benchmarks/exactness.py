@@ -30,7 +30,7 @@ import pandas as pd
 
 from rla_lib.machine import cpu_generation, cpu_model, isa_level, isa_levels, resolve_levels, vllm_cpu_attention_kernel
 from rla_lib.paths import ROOT
-from rla_lib.report import TABLES_DIR, save_table
+from rla_lib.report import save_collected
 
 TABLE = "exactness"
 MODES = ("compiled", "eager")
@@ -137,13 +137,9 @@ def main(argv=None) -> None:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(new.drop(columns=["probe"]).to_string(index=False))
     if args.save:
-        path = TABLES_DIR / f"{TABLE}.csv"
-        old = pd.read_csv(path) if path.exists() else new.iloc[:0]
-        key = ["cpu", "level", "model", "mode"]  # a run of some models or modes keeps the others' rows
-        replaced = old.set_index(key).index.isin(new.set_index(key).index)
-        table = pd.concat([old[~replaced], new], ignore_index=True)
-        save_table(table, TABLE, dict(models=args.models, modes=args.modes, prompts=args.prompts, samples=args.samples,
-                                      max_tokens=args.max_tokens, seed=args.seed, levels=levels))
+        params = dict(models=args.models, modes=args.modes, prompts=args.prompts, samples=args.samples,
+                      max_tokens=args.max_tokens, seed=args.seed, levels=levels)
+        save_collected(new, TABLE, ["cpu", "level", "model", "mode"], params)  # a run of some models keeps the others' rows
 
 
 if __name__ == "__main__":

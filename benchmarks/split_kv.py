@@ -2,6 +2,7 @@
 threads, and what turning it off (`VLLM_CPU_ATTN_SPLIT_KV=0`) costs. On this CPU:
 
     .venv/bin/python benchmarks/split_kv.py [--draws 100] [--prompts 32] [--no-save]
+    .venv/bin/python -m rla_lib.machine --level avx2 .venv/bin/python benchmarks/split_kv.py   # vLLM's _C_AVX2 kernels
     .venv/bin/python benchmarks/split_kv.py --draws 5 --lengths 128 --no-engine --no-save   # quickest
 
 vLLM-CPU's scheduler (`rla_lib.engine_probes.decode_kv_splits`) gives each thread an even share of a decode step's keys,
@@ -19,7 +20,8 @@ sees no batch, so it computes every row whole, as an engine of one thread does (
   groups of 4: response tokens whose sampled logprob differs between the two engines, the key lengths at which
   they do, and the engine-aligned training side's bitwise share against each (`exactness.exactness_row`).
 
-Writes tables/split_kv_kernel.csv and tables/split_kv_engine.csv (with .json); times name their CPU and load.
+Writes tables/split_kv_kernel.csv and tables/split_kv_engine.csv (with .json); rows of other CPUs and levels are kept
+(a run replaces its own CPU and level's rows); times name their CPU and load.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from rla_lib import task
 from rla_lib.engine_probes import decode_kv_splits, paged_decode_attention
 from rla_lib.machine import cpu_generation, cpu_model, isa_level, usable_cores, vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer
-from rla_lib.report import save_table
+from rla_lib.report import save_collected
 from rla_lib.scoring import token_logprobs
 
 SHAPES = {"qwen3-tiny": (4, 2, 64), "Qwen3-0.6B": (16, 8, 128)}  # query heads, KV heads, head dim
@@ -141,9 +143,10 @@ def main(argv=None) -> None:
     if args.save:
         params = dict(draws=args.draws, timed_rounds=args.timed_rounds, cores=len(usable_cores()),
                       load_average=os.getloadavg()[0])
-        save_table(kernel, "split_kv_kernel", params)
+        save_collected(kernel, "split_kv_kernel", ["cpu", "level", "shape", "threads", "keys"], params)
         if engine is not None:
-            save_table(engine, "split_kv_engine", dict(prompts=args.prompts, max_tokens=args.max_tokens))
+            save_collected(engine, "split_kv_engine", ["cpu", "level", "model", "batch", "split_kv"],
+                           dict(prompts=args.prompts, max_tokens=args.max_tokens))
 
 
 if __name__ == "__main__":

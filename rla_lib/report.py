@@ -65,6 +65,15 @@ def save_table(df: pd.DataFrame, name: str, params: dict | None = None, director
     return path
 
 
+def save_collected(new: pd.DataFrame, name: str, key: list[str], params: dict | None = None) -> Path:
+    """Write `new` into the table that collects every CPU kind it was run on: `new` replaces the rows whose `key`
+    (e.g. cpu, level, model) it has, and every other row is kept. The sidecar names the run that last added rows."""
+    path = TABLES_DIR / f"{name}.csv"
+    old = pd.read_csv(path) if path.exists() else new.iloc[:0]
+    replaced = old.set_index(key).index.isin(new.set_index(key).index)
+    return save_table(pd.concat([old[~replaced], new], ignore_index=True), name, params)
+
+
 def load_table(name: str, directory: Path | str | None = None) -> tuple[pd.DataFrame, dict]:
     """A saved table and its provenance. A missing table names the notebook or target that writes it."""
     directory = Path(directory or TABLES_DIR)

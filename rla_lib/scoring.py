@@ -18,6 +18,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .align.attention import prefilled as attention_prefilled
+from .real_shape import VOCAB_SIZE as REAL_VOCAB_SIZE
+
+HEAD_CHUNK = 1024  # positions per chunk of the LM head and its log-softmax (`head_logprobs`)
+# The chunked path's peak memory over the naive one's, with gradients, that scoring at a real vocabulary must meet
+# (benchmarks/scoring_memory.py). It keeps one chunk's logits where the naive path keeps every position's, so the
+# ratio cannot fall much below HEAD_CHUNK / positions: the target applies from HEAD_CHUNK / target positions on.
+CHUNKED_PEAK_TARGET = 0.25
+
+
+def chunked_peak_target_applies(positions: int, vocab: int) -> bool:
+    """Whether `CHUNKED_PEAK_TARGET` holds at this size: one chunk a small part of the positions, a real vocabulary."""
+    return positions >= HEAD_CHUNK / CHUNKED_PEAK_TARGET and vocab == REAL_VOCAB_SIZE
 
 
 def pad_batch(sequences, pad_id: int = 0):
@@ -59,7 +71,7 @@ def _chunk_logprobs(lm_head, hidden, targets, temperature: float):
     return log_softmax_at(lm_head(hidden), temperature).gather(-1, targets[:, None])[:, 0]
 
 
-def head_logprobs(lm_head, hidden, targets, chunk_size: int = 1024, temperature: float = 1.0):
+def head_logprobs(lm_head, hidden, targets, chunk_size: int = HEAD_CHUNK, temperature: float = 1.0):
     """log p(target | position) for (N, H) hidden states, chunk by chunk; under autograd each chunk is
     checkpointed, so at most one chunk's (chunk_size, vocab) logits exist at a time, forward or backward."""
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
@@ -70,7 +82,7 @@ def head_logprobs(lm_head, hidden, targets, chunk_size: int = 1024, temperature:
     return torch.cat(chunks)
 
 
-def token_logprobs(model, sequences, chunk_size: int = 1024, full_vocab: bool = False, batch_size: int = 64, grad: bool = False,
+def token_logprobs(model, sequences, chunk_size: int = HEAD_CHUNK, full_vocab: bool = False, batch_size: int = 64, grad: bool = False,
                    temperature: float = 1.0, prefilled=None):
     """Logprob of each token given its prefix, for each sequence (entry t scores ids[t+1]).
 

@@ -106,6 +106,21 @@ def test_save_table_round_trip_with_provenance(tmp_path):
     assert meta["params"] == {"n": 3} and meta["machine"]["cpu_capability"] and meta["written"]
 
 
+def test_a_collected_table_keeps_other_machines_rows_and_replaces_its_own(tmp_path, monkeypatch):
+    """A run on one CPU and level replaces that CPU and level's rows, by the key, and keeps every other row."""
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path)
+
+    def run(cpu, level, value):
+        return pd.DataFrame(dict(cpu=[cpu] * 2, level=[level] * 2, batch=[1, 4], value=[value] * 2))
+
+    report.save_collected(run("Zen 4", "avx512_bf16", 1.0), "t", ["cpu", "level", "batch"])
+    report.save_collected(run("Zen 4", "avx2", 2.0), "t", ["cpu", "level", "batch"])
+    report.save_collected(run("Zen 4", "avx512_bf16", 3.0), "t", ["cpu", "level", "batch"])
+    back, _ = report.load_table("t", directory=tmp_path)
+    assert sorted(zip(back["level"], back["batch"], back["value"])) == [
+        ("avx2", 1, 2.0), ("avx2", 4, 2.0), ("avx512_bf16", 1, 3.0), ("avx512_bf16", 4, 3.0)]
+
+
 def test_a_missing_table_names_what_writes_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="notebook"):
         report.load_table("03_nothing", directory=tmp_path)

@@ -99,8 +99,9 @@ def _without_ci(here, capped=None) -> dict:
     return {where: (value, value) for where, value in [("here", here), (CAPPED, capped)] if value is not None}
 
 
-def _speed_overhead(add, checks: list, controls: dict) -> None:
-    """The speed table's alignment-overhead rows (block_speed): the targets' run, its A/A control, the capped run."""
+def _speed_overhead(add, checks: list, controls: dict, rows_meta: dict | None) -> None:
+    """The speed table's alignment-overhead rows (block_speed): the targets' run, its A/A control, the capped run. A
+    run on another CPU than the table's other rows (`rows_meta`) names its CPU in the verdict."""
     if not (TABLES_DIR / "bench_align_overhead.csv").exists():
         return
     # a run of the target configurations alone (more rounds in the same time) where there is one
@@ -145,7 +146,8 @@ def _speed_overhead(add, checks: list, controls: dict) -> None:
         if "cpu_ratio_ci_high" in a:
             ends = lambda r: (100 * (r["cpu_gmean_ratio"] - 1), 100 * (r["cpu_ratio_ci_high"] - 1))
             has_capped = capped and not pick(capped[0], config).empty
-            checks.append((f"`{config}` overhead", 3 if "all 3" in config else 5, "%", {"here": ends(a)}
+            elsewhere = f" (on {_cpu(meta)})" if rows_meta and _cpu(meta) != _cpu(rows_meta) else ""
+            checks.append((f"`{config}` overhead{elsewhere}", 3 if "all 3" in config else 5, "%", {"here": ends(a)}
                            | ({CAPPED: ends(pick(capped[0], config).iloc[0])} if has_capped else {})))
 
 
@@ -282,7 +284,7 @@ def block_speed() -> str:
         add("AdamW step, the same bits", f"{r['model']}, {r['parameters'] / 1e6:.0f} M FP32 parameters, median of "
             f"{r['steps']}", "benchmarks/adamw_step.py", f"{r['for_loop_s']:.2f} s (torch's for-loop)", native_step(r),
             meta, capped=native_step(largest(capped[0])) if capped else "(not measured)")
-    _speed_overhead(add, checks, controls)
+    _speed_overhead(add, checks, controls, rows_meta)
     if (TABLES_DIR / "bench_bf16_matmul.csv").exists():
         t, meta = load_table("bench_bf16_matmul")
         low = t[t["level"] == t["level"].iloc[-1]].set_index("kernel")
