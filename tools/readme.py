@@ -393,7 +393,7 @@ def block_split_kv() -> str:
         return "0" if row["kl_all_zero"] in (True, "True") else format(row["exact_kl"], ".2g")
 
     parts = ["Draws whose decoded-token attention output has other bits with split-KV on than off, by head shape and "
-             "level:", table, source("split_kv_kernel", kmeta)]
+             "level:", table, source("split_kv_kernel", kmeta, collected=True)]
     for (cpu, level), part in engine.groupby(["cpu", "level"], sort=False):
         e, r = part.set_index(["batch", "split_kv"]), part.iloc[0]
         lines = []
