@@ -326,8 +326,10 @@ def block_scoring_memory() -> str:
     for grad, target in ((False, None), (True, CHUNKED_PEAK_TARGET)):
         g = t[t["grad"] == grad].set_index("case")["peak_gb"]
         naive, chunked = (g[[c for c in g.index if c.endswith(p)][0]] for p in ("naive", "chunked"))
-        met = "not at this size" if not applies else "met" if target and chunked / naive <= target else "missed"
-        verdict = "" if target is None else f" (target at most {target:.2f}: {met})"
+        verdict = ""
+        if target is not None:
+            met = ("met" if chunked / naive <= target else "missed") if applies else "not at this size"
+            verdict = f" (target at most {target:.2f}: {met})"
         ratios.append(f"{'with' if grad else 'without'} gradients {chunked / naive:.2f}{verdict}")
     return "\n\n".join([md_table(["path", "gradients", "tokens", "peak memory", "time"], rows),
                          "Chunked over naive peak memory: " + "; ".join(ratios) + ".", source("bench_scoring_memory", meta)])
