@@ -28,9 +28,9 @@ from .align import refuse_if_aligned, unalign
 from .align.attention import KERNELS, VLLM_CPU_BUILDS
 from .align.schedule import load_schedule, save_schedule, schedule_to_align_kwargs
 from .engine import Engine
-from .graphs import GRAPHS_DIR, read_sides, schedule
+from .graphs import GRAPHS_DIR, model_key, read_sides, schedule
 from .machine import machine_key, vllm_cpu_attention_kernel
-from .models import load_model, resolve_model
+from .models import load_model
 from .scoring import token_logprobs
 
 ATTENTION_NUMERICS = tuple(KERNELS)
@@ -159,9 +159,7 @@ def cos_sin_equal(model) -> bool:
 def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences: int = 64, force: bool = False) -> dict:
     """The rounding schedule of a running engine: points read from its code or trace (cached capture of the same
     model and mode on this machine), plus its attention numerics probed against `model` (default: loaded here)."""
-    side = sides.engine(engine.mode)
-    points, _ = read_sides(engine.spec.path, (side,), force=force, progress=False)
-    sched = with_rope_rounding(schedule(points[side], side), engine.mode)
+    sched = code_schedule(engine.spec.path, engine.mode, force)
     model = load_model(engine.spec.path, dtype=engine.dtype) if model is None and probe else model
     known = kernel_numerics()
     found = {}
@@ -173,9 +171,17 @@ def engine_schedule(engine: Engine, model=None, probe: bool = True, n_sequences:
     return with_attention(sched, **attention_section(found))
 
 
+def code_schedule(model, mode: str, force: bool = False) -> dict:
+    """The engine's rounding points for (model, mode), read from its code or trace (one capture, kept on this
+    machine), without attention's numerics (one opaque kernel there)."""
+    side = sides.engine(mode)
+    points, _ = read_sides(model, (side,), force=force, progress=False)
+    return with_rope_rounding(schedule(points[side], side), mode)
+
+
 def engine_schedule_path(model, mode: str) -> Path:
     """Where the engine's full schedule for (model, mode) on this machine is kept (BF16 kernels differ by machine)."""
-    return GRAPHS_DIR / resolve_model(model).path.name / f"engine-schedule-{mode}-{machine_key()}.json"
+    return GRAPHS_DIR / model_key(model) / f"engine-schedule-{mode}-{machine_key()}.json"
 
 
 def keep_engine_schedule(sched: dict, model, mode: str) -> Path:
@@ -193,6 +199,15 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
         sched = engine_schedule(engine, **schedule_kwargs)
     keep_engine_schedule(sched, model, mode)
     return sched
+
+
+def engine_schedule_from_code(model, mode: str = "compiled") -> dict:
+    """The engine's full schedule for (model, mode) without a probe where none is needed: the one kept on this machine,
+    else its code's points with the attention kernel the engine loads (vLLM-CPU: known from its library, not verified
+    here, so `exactness` says "not probed"). Where that kernel is not known (CUDA), `engine_schedule_for` probes it."""
+    if engine_schedule_path(model, mode).exists() or kernel_numerics() is None:
+        return engine_schedule_for(model, mode)
+    return with_attention(code_schedule(model, mode), **attention_section({}))
 
 
 def align_to_engine(model, source, replace: bool = False, **schedule_kwargs):

@@ -17,7 +17,7 @@ import torch
 from . import sides
 from .align import REGIONS
 from .align.monitor import masquerades
-from .engine_align import engine_schedule_for
+from .engine_align import engine_schedule_from_code
 from .align.schedule import schedule_to_align_kwargs
 from .kl import FEW_PROMPTS
 from .mismatch_run import MismatchRun
@@ -43,10 +43,10 @@ def engine_config(mode: str) -> str:
 
 def configs(model, modes, engine_aligned: bool = True) -> dict:
     """The training configurations to measure (name -> (regions, options)): the stock side, the paper's regions, and
-    per mode the engine's own schedule (read, and its attention probed, once per machine: `engine_schedule_for`)."""
+    per mode the engine's own schedule (`engine_schedule_from_code`: the measurement itself says how exact it is)."""
     out = {name: (tuple(r for r in REGIONS if r in name.split("+")), {}) for name in SIDES.values()}
     if engine_aligned:
-        out |= {engine_config(m): schedule_to_align_kwargs(engine_schedule_for(model, m)) for m in modes}
+        out |= {engine_config(m): schedule_to_align_kwargs(engine_schedule_from_code(model, m)) for m in modes}
     return out
 
 

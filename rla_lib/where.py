@@ -13,8 +13,9 @@
   each op's count of differing elements is its own, not carried in from the layers before. A compiled engine runs
   fused kernels whose intermediates no hook sees: its reading is the code's alone.
 
-The training sides: stock BF16 Transformers and engine-aligned (the engine's schedule for that mode,
-`engine_align.engine_schedule_for`). On a CUDA machine the same calls read the CUDA engine; only CPU vLLM is tested.
+The training sides: stock BF16 Transformers and engine-aligned (the engine's schedule for that mode, read from its code
+with the attention kernel it loads, `engine_align.engine_schedule_from_code`: no engine is started to probe it, since
+the values reading is itself the check). On a CUDA machine the same calls read the CUDA engine; only CPU vLLM is tested.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pandas as pd
 
 from . import graphs, op_check, sides
 from .align.schedule import schedule_to_align_kwargs
-from .engine_align import engine_schedule_for
+from .engine_align import code_schedule, engine_schedule_from_code
 from .mismatch_report import ENGINE_ALIGNED
 from .models import load_model, resolve_model
 
@@ -36,9 +37,9 @@ COLUMNS = ["mode", "side", "reading", "layer", "point", "engine", "training", "d
 
 
 def rounding_kwargs(model, mode: str) -> tuple[tuple, dict]:
-    """The engine-aligned side's `align` arguments for `mode` (the schedule kept on this machine, or read now) without
-    its attention numerics: the code reading compares rounding points, and traces attention as the model's own."""
-    regions, options = schedule_to_align_kwargs(engine_schedule_for(model, mode))
+    """The engine-aligned side's `align` arguments for `mode` (its code's rounding points) without attention numerics:
+    the code reading compares rounding points, and traces attention as the model's own."""
+    regions, options = schedule_to_align_kwargs(code_schedule(model, mode))
     return tuple(r for r in regions if r != "attention"), {k: v for k, v in options.items() if k != "attention"}
 
 
@@ -64,7 +65,7 @@ def in_values(model, prompts, n: int = 8, max_tokens: int = 32, seed: int = 0, c
     captures = op_check.captured(model, n=n, prompts=prompts, max_tokens=max_tokens, seed=seed, cache_dir=cache_dir)
     stock = load_model(model, dtype="bfloat16")
     tables = {STOCK: op_check.teacher_forced(stock, captures),
-              ENGINE_ALIGNED: op_check.teacher_forced(stock, captures, engine_schedule_for(model, "eager"))}
+              ENGINE_ALIGNED: op_check.teacher_forced(stock, captures, engine_schedule_from_code(model, "eager"))}
     return pd.concat([t.assign(mode="eager", side=side, reading="values") for side, t in tables.items()], ignore_index=True)
 
 

@@ -90,7 +90,7 @@ def chat_prompts(tmp_path, n: int):
     ("greedy", "--temperature 0.0: a temperature above 0"),
 ])
 def test_measure_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, tmp_path, case, message):
-    monkeypatch.setattr(mismatch_report, "engine_schedule_for", None)  # any engine start would fail loudly
+    monkeypatch.setattr(mismatch_report, "engine_schedule_from_code", None)  # any engine start would fail loudly
     monkeypatch.setattr(cli, "measure", None)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text({"bad line": '"1+2="\n1+2=\n', "too long": json.dumps("1" * 40) + "\n"}.get(case, '"1+2="\n'))

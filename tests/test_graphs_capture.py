@@ -1,12 +1,21 @@
 """rla_lib.graphs on the real engine: a compile cache produced in this test run (one compiled engine start,
-in a subprocess)."""
+in a subprocess), and how captures are kept."""
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib import graphs
 from rla_lib.align import REGIONS
+from rla_lib.engine_align import engine_schedule_path
+from rla_lib.graphs import captures
 from test_graphs_inductor import COMPILED_CPU
+from test_prompts import with_chat_template
 
 
 @pytest.mark.engine
@@ -43,3 +52,33 @@ def test_seeding_copies_what_the_target_lacks_never_replaces_and_skips_locks(tmp
     assert (target / "ab" / "cabc.so").read_text() == "compiled here"
     assert not (target / "locks").exists() and not list(target.rglob("*.partial"))
     assert graphs.seed_compile_cache(source, target) == 0  # nothing left to copy
+
+
+def test_checkpoints_of_one_architecture_share_a_capture_and_not_a_schedule(tmp_path):
+    """The engine's code depends on the architecture, not the weights: a copy of a checkpoint in another folder reads
+    the capture already made, and one whose config differs gets its own. The kept engine schedule (its probe measured
+    those weights) stays per folder, even for two folders of one name."""
+    copy = with_chat_template(tmp_path)  # another folder, the same name and config.json
+    assert graphs.capture_dir(copy, "vllm", "eager") == graphs.capture_dir("qwen3-tiny", "vllm", "eager")
+    assert engine_schedule_path(copy, "eager") != engine_schedule_path("qwen3-tiny", "eager")
+    other = Path(shutil.copytree(copy, tmp_path / "other" / copy.name))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"rms_norm_eps": config["rms_norm_eps"] * 2}))
+    assert graphs.capture_dir(other, "vllm", "eager") != graphs.capture_dir(copy, "vllm", "eager")
+
+
+def test_two_processes_asking_for_one_capture_make_it_once(tmp_path, monkeypatch):
+    """A capture asked for twice at once (two test processes, two notebooks) is made by the first; the second waits
+    for it and reuses it instead of writing into the same folder."""
+    made = []
+
+    def slow_capture(model, mode, engine, out, force, timeout, env):
+        made.append(out)
+        time.sleep(0.5)
+        (out / "capture.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "capture.json").write_text("{}")
+
+    monkeypatch.setattr(captures, "_capture", slow_capture)
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: graphs.capture("qwen3-tiny", "eager", out_dir=tmp_path / "cap"), range(2)))
+    assert outs == [tmp_path / "cap"] * 2 and made == [tmp_path / "cap"]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock  # a dependency of torch
 
 from .. import sides
 from ..engine import Engine
@@ -179,12 +180,25 @@ def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
     atomic_write_json(out / "capture.json", meta)
 
 
+def model_key(model) -> str:
+    """A checkpoint's name with a digest of its folder: two checkpoints of one name (`checkpoint-100` of two runs) are
+    kept apart in what is kept of them."""
+    path = resolve_model(model).path
+    return f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def architecture_key(model) -> str:
+    """A checkpoint's name with a digest of its config.json: the engine's code depends on the architecture, not the
+    weights, so checkpoints of one architecture (a copy, a fine-tune, the steps of one run) share a capture."""
+    path = resolve_model(model).path
+    return f"{path.name}-{hashlib.sha1((path / 'config.json').read_bytes()).hexdigest()[:8]}"
+
+
 def capture_dir(model, engine="vllm", mode="compiled") -> Path:
-    spec = resolve_model(model)
-    key = hashlib.sha1(str(spec.path).encode()).hexdigest()[:8]
     # The kernels, and so the graph, depend on the machine (rla_lib.machine): one capture per machine. The engine's
     # do not depend on the training side's matmul mode.
-    return GRAPHS_DIR / "captures" / f"{spec.path.name}-{key}-{engine}-{mode}-{machine_key(engine_only=engine == 'vllm')}"
+    key = f"{architecture_key(model)}-{engine}-{mode}-{machine_key(engine_only=engine == 'vllm')}"
+    return GRAPHS_DIR / "captures" / key
 
 
 def _capture_env(engine: str, out: Path, extra: dict | None = None) -> dict:
@@ -223,6 +237,15 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
     out = Path(out_dir) if out_dir else capture_dir(model, engine, mode)
     if (out / "capture.json").exists() and not force:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out.with_name(out.name + ".lock")):  # two processes asking for one capture: the second waits, reuses it
+        if (out / "capture.json").exists() and not force:
+            return out
+        _capture(model, mode, engine, out, force, timeout, env)
+    return out
+
+
+def _capture(model, mode: str, engine: str, out: Path, force: bool, timeout: int, env: dict | None) -> None:
     if out.exists() and force:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +257,6 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise RuntimeError(f"capture of {model} ({engine} {mode}) failed (exit {proc.returncode}); log: "
                            f"{out / 'capture.log'}\n{tail}")
-    return out
 
 
 # ---- each side's graph and points ----------------------------------------------------------------------
