@@ -76,10 +76,13 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 1,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # test-transformers (mostly pip building its small environments) runs alongside the suite; its output follows.
-# The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES).
+# The test processes already fill the cores: rla_lib then runs its engine processes one at a time (RLA_PROCESSES), and
+# each process computes on one thread (OMP_NUM_THREADS): with two threads in each of several processes on two cores, a
+# parallel op waits at its barrier for a thread another process holds.
+SHARED_CORES := $(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1 OMP_NUM_THREADS=1)
 test: setup
-	@mkdir -p .venv-tf; $(MAKE) --no-print-directory test-transformers > .venv-tf/test.log 2>&1 & transformers=$$!; \
-	$(if $(filter 1,$(TEST_WORKERS)),,RLA_PROCESSES=1) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 \
+	@mkdir -p .venv-tf; $(SHARED_CORES) $(MAKE) --no-print-directory test-transformers > .venv-tf/test.log 2>&1 & transformers=$$!; \
+	$(SHARED_CORES) $(CAP) $(VENV)/bin/pytest -q -rs $(XDIST) --durations=15 \
 		-m "not real_shape and not slow_bench" tests $(PYTEST_ARGS); suite=$$?; \
 	wait $$transformers; versions=$$?; cat .venv-tf/test.log; \
 	[ $$versions -eq 0 ] || echo "FAILED: make test-transformers (the align tests under other Transformers releases)"; \
