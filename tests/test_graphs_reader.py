@@ -73,3 +73,16 @@ def test_points_json_roundtrip_keeps_typed_values():
     again = graphs.Points.from_json(json.loads(json.dumps(p.to_json())))
     assert again.values == p.values and again.summary() == p.summary()
     assert all(isinstance(v, Held) for v in again.values.values())
+
+
+def test_fp32_products_rounded_once_are_read_as_a_bf16_projection(monkeypatch):
+    """The training side's BF16 linear without BF16 instructions (`bf16_matmul`: FP32 products of the BF16 operands,
+    rounded once before anything reads them) holds its output in BF16, as a BF16 GEMM does: every projection reads so,
+    in a trace of the same model made either way."""
+    projections = [key for key, _, _ in graphs.LAYER_POINTS + graphs.FINAL_POINTS if key.endswith("proj.output")
+                   or key == "lm_head.output"]
+    read = {}
+    for mode in ("native", "fp32"):
+        monkeypatch.setenv("RLA_BF16_MATMUL", mode)
+        read[mode] = graphs.read_points(graphs.training_graph("qwen3-tiny")).summary()
+    assert all(read[mode][key] == "bf16" for mode in read for key in projections), read

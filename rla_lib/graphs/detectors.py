@@ -412,4 +412,8 @@ def read_projections(r: Reading, residual: list[Norm], attentions: list[int], sw
             role = ("lm_head", FINAL)
         if role is not None and not (role[0] == "gate_up_proj" and role[1] in opaque_mlps):
             name, lay = role
-            r.put(FINAL if name == "lm_head" else lay, f"{name}.output", held(n.dtype in BF16_DTYPES), [n.id])
+            # FP32 products rounded once before any reader (the training side's BF16 linear without BF16
+            # instructions, `bf16_matmul`) is a BF16 projection output, as a BF16 GEMM's
+            readers = r.w.fwd(n.id)
+            rounded = n.dtype in BF16_DTYPES or bool(readers) and all(flag for _, flag in readers)
+            r.put(FINAL if name == "lm_head" else lay, f"{name}.output", held(rounded), [n.id])
