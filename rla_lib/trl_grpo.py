@@ -153,7 +153,11 @@ class EngineScoring:
     `trl.GRPOTrainer`: `class Trainer(EngineScoring, GRPOTrainer)`, everything else TRL's. With a model aligned to the
     engine (`align_to_engine`), TRL's own `sampling/sampling_logp_difference` then reads exactly 0 and its importance
     ratio 1 wherever the alignment is exact. `positions = "engine"` (default) numbers each row's tokens from its first
-    real one, as the engine does (TRL left-pads and passes no position ids); "trl" keeps TRL's numbering."""
+    real one, as the engine does (TRL left-pads and passes no position ids); "trl" keeps TRL's numbering. The engine's
+    attention kernel (an aligned model's) reads each row from its first real key, so the padding changes no bit; a
+    stock model's SDPA sums keys in vector lanes counted from the padded row's first slot, so there a padded row's
+    logprobs differ from the row's alone in the last bits once rows are longer than a vector (seen natively and capped
+    to avx2 on a Zen 4)."""
 
     positions = "engine"
 

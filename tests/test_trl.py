@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rla_lib.engine_align import align_to_engine
-from rla_lib.machine import native_bf16, vllm_cpu_attention_kernel
+from rla_lib.align import Schedule, align
+from rla_lib.engine_align import align_to_engine, kernel_numerics
+from rla_lib.machine import vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer, resolve_model
+from rla_lib.scoring import token_logprobs
 from rla_lib.tokenizer import build_tokenizer
 from rla_lib.trl_grpo import EngineGRPOTrainer, EngineScoring, GRPOConfig, task_dataset, task_reward
 from test_engine_align import MEASURED_EXACT
@@ -106,34 +108,34 @@ def test_bad_input_is_refused_before_training_and_writes_nothing(tmp_path, case,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(not native_bf16(), reason="without BF16 instructions (an AVX2-only CPU, or ISA=avx2) the stock "
-                    "forward of a left-padded row differs from the row alone by a BF16 ulp of some logits (measured on a "
-                    "Zen 4 capped to avx2; the unpadded row is equal): the padding's cause is not found yet")
 def test_a_plain_grpo_trainer_with_the_mixin_scores_as_the_engine_does(tmp_path):
     """`class Trainer(EngineScoring, trl.GRPOTrainer)`: TRL's per-token logprobs of a left-padded batch are, bit for
     bit, the logprobs the engine's way of scoring (`rla_lib.scoring`, FP32 log-softmax of the LM head's logits, each
-    sequence alone from position 0) gives; TRL's own route differs in the last bits."""
+    sequence alone from position 0) gives, for a model whose attention is the engine's kernel (as `align_to_engine`
+    makes it): that kernel reads each row from its first real key, so padding moves none of its sums. Prompts longer
+    than a vector of keys, padded by odd widths: PyTorch's SDPA (the stock model's) sums keys in vector lanes counted
+    from the padded row's first slot, so there a padded row is not the row alone. TRL's own route differs in the last
+    bits."""
     from trl import GRPOTrainer
-
-    from rla_lib.scoring import token_logprobs
 
     class Trainer(EngineScoring, GRPOTrainer):
         pass
 
     model = load_model("qwen3-tiny")
+    align(model, Schedule(attention=kernel_numerics()))
     trainer = Trainer(model, task_reward, args=config(tmp_path), train_dataset=task_dataset(8),
                       processing_class=load_tokenizer("qwen3-tiny"))
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in (5, 9, 7)]
-    completion = torch.randint(3, vocab, (3, 6), generator=gen)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in (3, 40, 18, 33)]
+    completion = torch.randint(3, vocab, (len(prompts), 6), generator=gen)
     width = max(len(p) for p in prompts)
     ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p, c]) for p, c in zip(prompts, completion)])
     mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p) + 6)]) for p in prompts]).long()
     with torch.no_grad():
         mixin = trainer._get_per_token_logps_and_entropies(model, ids, mask, logits_to_keep=6)[0]
         trl_own = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, logits_to_keep=6)[0]
-    engine_way = [torch.from_numpy(lp[-6:]) for lp in token_logprobs(model, [torch.cat([p, c]).tolist()
-                                                                             for p, c in zip(prompts, completion)])]
-    assert torch.equal(mixin, torch.stack(engine_way))
+    alone = [torch.from_numpy(token_logprobs(model, [torch.cat([p, c]).tolist()])[0][-6:])
+             for p, c in zip(prompts, completion)]
+    assert torch.equal(mixin, torch.stack(alone))
     assert not torch.equal(trl_own, mixin)  # the check bites: TRL's own route (and numbering) is not the engine's
