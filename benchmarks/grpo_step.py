@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rla_lib import grpo, native
+from rla_lib import grpo, native, task
 from rla_lib.bf16_matmul import use_bf16_matmul
 from rla_lib.machine import capped_name
 from rla_lib.memory import GLIBC_DEFAULTS, malloc_environment
@@ -151,6 +151,9 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--task", default="sums", choices=sorted(task.TASKS),
+                        help="the task's variant; the collapse study's long answers: --task steps --max-tokens 112")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rewards", default="task", choices=["task", "coin"])
     parser.add_argument("--allocator", default="keep", choices=["keep", "default"])
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
@@ -168,7 +171,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
         os.environ.update(malloc_environment(GLIBC_DEFAULTS) | {"GLIBC_TUNABLES": ""})  # the engine's processes too
     cfg = grpo.GRPOConfig(model=args.model, regions=tuple(args.regions), precision=args.precision, steps=args.steps + 1,
                           prompts_per_step=args.prompts, group_size=args.group_size, max_tokens=args.max_tokens,
-                          eval_every=10**9, checkpoint_every=10**9)
+                          task=args.task, temperature=args.temperature, eval_every=10**9, checkpoint_every=10**9)
     with tempfile.TemporaryDirectory() as out:
         h = grpo.run(cfg, out, progress=False)
     parts = ["t_rollout", "t_score", "t_update", "t_sync"]
@@ -177,7 +180,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     if (h["grad_norm"] == 0).all():
         print("Every gradient was 0 (no group had two different rewards): not a step that learns. For a model that "
               "cannot do the task, pass --rewards coin.")
-    print(f"GRPO step, {args.model}, {args.precision}, regions={args.regions or 'none'}, "
+    print(f"GRPO step, {args.model} ({args.task} task, T {args.temperature:g}), {args.precision}, regions={args.regions or 'none'}, "
           f"{args.prompts} prompts x {args.group_size} samples, median of {len(h)} steps after warm-up:")
     for p in parts:
         print(f"  {p[2:]:>8}: {med[p]:.3f} s")

@@ -26,12 +26,17 @@ ROW_BLOCK = 48
 
 def rows_times(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight_t (+ bias) for a 2-D FP32 x, as products of `ROW_BLOCK` rows each (the last padded with zeros):
-    each row's bits then do not depend on how many rows are multiplied with it."""
-    rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -rows % ROW_BLOCK))
-    blocks = padded.split(ROW_BLOCK) or [padded]  # no rows: one empty product
-    products = [b @ weight_t if bias is None else torch.addmm(bias, b, weight_t) for b in blocks]
-    return torch.cat(products)[:rows]
+    each row's bits then do not depend on how many rows are multiplied with it. Each block's product is written in
+    place into the output (a copy of the whole input and output less than padding all and concatenating)."""
+    x = x.contiguous()
+    rows, whole = x.shape[0], x.shape[0] - x.shape[0] % ROW_BLOCK
+    out = x.new_empty(rows, weight_t.shape[1])
+    for block, into in zip(x[:whole].split(ROW_BLOCK), out[:whole].split(ROW_BLOCK)):
+        torch.mm(block, weight_t, out=into) if bias is None else torch.addmm(bias, block, weight_t, out=into)
+    if whole < rows or rows == 0:  # the last rows, padded with zeros to a whole block (no rows: one empty product)
+        tail = F.pad(x[whole:], (0, 0, 0, -rows % ROW_BLOCK))
+        out[whole:] = (tail @ weight_t if bias is None else torch.addmm(bias, tail, weight_t))[: rows - whole]
+    return out
 
 
 def engine_linear_is_onednns() -> bool:

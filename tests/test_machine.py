@@ -111,6 +111,20 @@ def test_a_row_gets_the_same_bits_at_every_place_in_a_row_block(k, n, threads):
     assert moved == []
 
 
+@pytest.mark.parametrize("rows", [0, 1, 47, 48, 49, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_blocks_written_in_place_are_the_padded_blocks_products(rows, bias):
+    """`rows_times` writes each block's product into its output: the bits of the padded blocks' products
+    concatenated (how it computed them before, and so the FP32 control's committed histories)."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 256, generator=g), torch.randn(768, 256, generator=g), torch.randn(768, generator=g)
+    b = b if bias else None
+    padded = torch.nn.functional.pad(x, (0, 0, 0, -rows % bf16_matmul.ROW_BLOCK))
+    blocks = padded.split(bf16_matmul.ROW_BLOCK) or [padded]
+    expected = torch.cat([blk @ w.T if b is None else torch.addmm(b, blk, w.T) for blk in blocks])[:rows]
+    assert torch.equal(bf16_matmul.rows_times(x, w.T, b), expected)
+
+
 def test_the_fp32_control_multiplies_in_row_blocks_and_bf16_models_are_left_alone():
     model = tiny_qwen3().float().eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
