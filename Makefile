@@ -128,17 +128,19 @@ test-install: $(foreach s,$(TF_SERIES),.venv-tf/$(s)/.installed)
 		echo "== the rla wheel with the CPU engine ([cpu]) in a fresh environment"; stamp=.venv-tf/engine/.installed; \
 		if [ ! -f $$stamp ] || [ requirements/pins.txt -nt $$stamp ] || [ pyproject.toml -nt $$stamp ]; then \
 			rm -rf .venv-tf/engine && $(PYTHON) -m venv .venv-tf/engine && \
-			.venv-tf/engine/bin/python -m pip install --quiet -c requirements/pins.txt "$$(ls .venv-tf/wheel/rla-*.whl)[cpu]" && \
+			.venv-tf/engine/bin/python -m pip install --quiet --no-compile -c requirements/pins.txt "$$(ls .venv-tf/wheel/rla-*.whl)[cpu]" && \
 			.venv-tf/engine/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $$stamp || exit 1; \
 		else .venv-tf/engine/bin/python -m pip install --quiet --no-deps --force-reinstall .venv-tf/wheel/rla-*.whl || exit 1; fi; \
 		(cd $$outside && $(CURDIR)/.venv-tf/engine/bin/python -I installed_check.py $(CURDIR) --engine) || exit 1; \
 	fi; \
 	rm -rf $$outside
 
+# --no-compile: these environments import a small part of what they install (torch's byte-code compile of every module
+# was half of pip's time), and Python compiles what they import on first use.
 .venv-tf/%/.installed: requirements/transformers-%.txt
 	rm -rf .venv-tf/$*
 	$(PYTHON) -m venv .venv-tf/$*
-	.venv-tf/$*/bin/python -m pip install --quiet -r $<
+	.venv-tf/$*/bin/python -m pip install --quiet --no-compile -r $<
 	touch $@
 
 # `rla measure` on the embedded models and data/prompts/sums-64.jsonl (tables/measure-<model>/, the README's example)

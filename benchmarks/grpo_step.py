@@ -212,4 +212,7 @@ if __name__ == "__main__":  # vLLM may spawn its engine core (a large model's): 
     name = capped_name(f"bench_grpo_step_{args.precision}" + ("_" + "+".join(args.regions) if args.regions else "")
                        + ("" if args.model == "qwen3-tiny" else "_" + slug(Path(args.model).name)))
     if args.save:
-        save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads()})
+        # the machine's 1-minute load at the end: the study's runs share a machine one per core, so its step is timed
+        # both ways, alone and beside other runs, and the table says which
+        save_table(pd.DataFrame([row]), name, vars(args) | {"threads": torch.get_num_threads(),
+                                                            "load_average": round(os.getloadavg()[0], 1)})

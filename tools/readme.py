@@ -34,7 +34,7 @@ from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
 from tools.readme_front import (block_front_exactness, block_front_gap, block_front_study, exactness_verdict,
                                 is_exact)
-from tools.readme_speed import block_speed, block_suite_repeats, block_suite_time
+from tools.readme_speed import block_speed, block_study_step, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
@@ -662,6 +662,9 @@ BLOCKS = {
     "dose-response": block_dose_response,
     "collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_collapse),
     "grpo-step": measured_by("make bench", block_grpo_step),
+    "study-step": measured_by("benchmarks/grpo_step.py --model qwen3-tiny-steps-hot --task steps --max-tokens 112 "
+                              "--prompts 32 --group-size 16 --steps 4 --precision fp32 (and bf16; one thread)",
+                              block_study_step),
     "engine-start": measured_by(".venv/bin/python benchmarks/engine_start.py", block_engine_start),
     "bf16-matmul": measured_by("make bench", block_bf16_matmul),
     "isa-spread": block_isa_spread,

@@ -361,3 +361,39 @@ def run_cpus(condition: str, runs: int) -> str:
     cpus = rows[rows["label"].str.fullmatch(rf"{re.escape(condition)} #\d+")]["machine"].value_counts(sort=False)
     unrecorded = [f"{runs - cpus.sum()} not recorded"] if runs > cpus.sum() else []
     return ", ".join([f"{n} on {cpu}" for cpu, n in cpus.items()] + unrecorded)
+
+
+STUDY_MODEL = "qwen3-tiny-steps-hot"  # the collapse study's stage-0 model (data/grpo_study/preregistration.json)
+KERNEL_BOUND_LIMIT = 1.15  # the study's step against the kernels its training bits depend on
+
+
+def block_study_step() -> str:
+    """The collapse study's step (its long answers, 32 prompts x 16 samples, one core per run), each arm natively and
+    capped: its parts, its kernel bound, and the core-hours of 100 training steps, which decide how many seeds fit."""
+    rows, verdicts, sources = [], [], []
+    for precision, arm in [("fp32", "FP32 control"), ("bf16", "default BF16")]:
+        for suffix, level in [("", "native"), (f"_{CAPPED}", f"capped to {CAPPED}")]:
+            name = f"bench_grpo_step_{precision}_{STUDY_MODEL}{suffix}"
+            found = _optional_table(name)
+            if found is None:
+                continue
+            t, meta = found
+            r, p = t.iloc[0], meta.get("params", {})
+            threads = int(p.get("threads", 1))
+            ratio = r["total"] / r["kernel_floor"]
+            rows.append([arm, level, f"{p.get('prompts')} x {p.get('group_size')}, {p.get('task')} task",
+                         f"{r['total']:.1f} ({r['rollout']:.1f} + {r['score']:.1f} + {r['update']:.1f} + "
+                         f"{r['sync']:.1f})", f"{r['kernel_floor']:.1f}", f"{ratio:.2f}x",
+                         f"{r['total'] * 100 * threads / 3600:.2f}", p.get("load_average", "not recorded"),
+                         _machine_short(meta)])
+            verdicts.append(f"{arm} {level} {ratio:.2f}x ({'met' if ratio <= KERNEL_BOUND_LIMIT else 'missed'})")
+            sources.append(source(name, meta))
+    if not rows:
+        raise FileNotFoundError(f"no bench_grpo_step_*_{STUDY_MODEL} table yet")
+    header = ["arm", "level", "prompts x samples", "step, s (rollout + scoring + update + push)", "kernel bound, s", "step / bound",
+              "core-hours per 100 steps", "machine load (1 min)", "machine"]
+    return "\n\n".join([md_table(header, rows),
+                        f"Target: the step within {KERNEL_BOUND_LIMIT:g}x its kernel bound (the rollout and the "
+                        "training kernels as profiled): " + "; ".join(verdicts) + ". Core-hours count the training "
+                        "steps only, not the evaluations every 10 steps. The study runs one run per core, so a load near the "
+                        "number of cores is how its runs are timed.", " ".join(sources)])
