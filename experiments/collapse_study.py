@@ -1,6 +1,7 @@
 """The collapse study after its pilot (data/grpo_study/preregistration.json): each stage's runs follow from the last.
 
-    .venv/bin/python experiments/collapse_study.py --plan     # every stage: planned, finished, what it waits for
+    .venv/bin/python experiments/collapse_study.py --plan     # every stage: planned, finished, what it waits for, and
+                                                              # the core-hours of the largest plan per stage-0 candidate
     .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
     .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
 
@@ -182,6 +183,53 @@ def order_for_workers(runs: list[Run]) -> list[Run]:
     return sorted(runs, key=lambda run: (STAGE_ORDER[run.stage], run.tis, run.seed))
 
 
+def steps_at_most() -> pd.DataFrame:
+    """Per stage, the runs and training steps the plan can ask for at most (every edge level, every rung below the
+    paper-like dose, both bracket rungs, with and without TIS), and the share of those steps in FP32: what bounds
+    the study's cost before its outcomes are known."""
+    rungs = len(ladder())
+    stages = [("edge", EDGE_LEVELS * len(EDGE_SEEDS), EDGE_STEPS, 1.0),
+              ("calibration", rungs, 1, 0.0),
+              ("q1", 2 * (rungs * len(Q1_SEEDS) + 2 * len(Q1_BRACKET_SEEDS)), Q1_STEPS, 0.0),
+              ("q2", len(Q2_ARMS) * len(Q2_FACTORS) * len(Q2_SEEDS), Q2_STEPS, Q2_ARMS.count("FP32 control") / len(Q2_ARMS)),
+              ("q3", len(Q3_ARMS) * len(Q3_SEEDS), Q3_STEPS, 0.0)]
+    return pd.DataFrame([dict(stage=stage, runs=runs, steps=runs * steps, fp32_share=share)
+                         for stage, runs, steps, share in stages])
+
+
+def cost_at_most(histories: pd.DataFrame | None, reg: dict, bf16_per_fp32: float | None) -> pd.DataFrame:
+    """Core-hours of the largest plan (`steps_at_most`) for each stage-0 candidate, from the median core-seconds of a
+    training step of its finished FP32-control runs (one run per core, as the study runs; evaluations not counted).
+    The BF16 arms' step is the FP32 one times `bf16_per_fp32` (the GRPO-step benchmark's ratio on this machine), or
+    the same where that was not measured."""
+    if histories is None or histories.empty:
+        return pd.DataFrame()
+    steps = steps_at_most()
+    rows = []
+    for tag, _, _ in stage0_runs(reg):
+        mine = histories[histories["sweep"] == tag]
+        if mine.empty:
+            continue
+        per_step = float(mine.groupby("run")[["t_rollout", "t_score", "t_update", "t_sync"]].median().sum(axis=1).median())
+        ratio = bf16_per_fp32 or 1.0
+        seconds = steps["steps"] * per_step * (steps["fp32_share"] + (1 - steps["fp32_share"]) * ratio)
+        rows.append(dict(candidate=tag, fp32_step_s=per_step, bf16_step_s=per_step * ratio,
+                         bf16_measured=bf16_per_fp32 is not None,
+                         **{f"{stage}_core_hours": h for stage, h in zip(steps["stage"], seconds / 3600)},
+                         core_hours=float(seconds.sum() / 3600)))
+    return pd.DataFrame(rows)
+
+
+def bf16_per_fp32() -> float | None:
+    """The study step's BF16/FP32 time ratio from `benchmarks/grpo_step.py`'s tables of the stage-0 model (this machine's,
+    both written), else None."""
+    tables = ROOT / "tables"
+    found = {p: tables / f"bench_grpo_step_{p}_qwen3-tiny-steps-hot.csv" for p in ("bf16", "fp32")}
+    if not all(path.exists() for path in found.values()):
+        return None
+    return float(pd.read_csv(found["bf16"])["total"].iloc[0] / pd.read_csv(found["fp32"])["total"].iloc[0])
+
+
 def read_finished(run: Run) -> pd.DataFrame | None:
     return sweep.finished(OUT / run.run_id, run.steps)
 
@@ -254,10 +302,16 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     r, note = regime(reg, stage0_histories(reg))
     runs, waits = plan(reg, r, read_finished)
     if args.plan or args.tables:
+        cost = cost_at_most(stage0_histories(reg), reg, bf16_per_fp32())
+        if not cost.empty:
+            print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
+            print(cost.round(2).to_string(index=False))
         print(note)
         print(status(runs).to_string(index=False) if runs else "no run is planned yet")
         print("\n".join(waits))
         if args.tables:
+            if not cost.empty:
+                save_table(cost, "06_study_cost", params=dict(steps_at_most=steps_at_most().to_dict("records")))
             print(write_tables(reg, runs, waits, note))
         raise SystemExit(0)
     if r is None:

@@ -180,3 +180,42 @@ def test_every_planned_run_makes_a_valid_grpo_config(study):
     for run in runs:
         if run.arm != "engine schedule":  # read from the engine when it runs
             GRPOConfig(**study.settings_for(R, run))
+
+
+def test_the_cost_bound_is_the_largest_plan_the_rules_can_reach(study):
+    """`steps_at_most` is what the plan asks for when every stage goes as far as its rules let it: the edge found at
+    the last multiplication, every rung below the paper-like dose, and a transition bracketed by two rungs. The
+    cost per candidate is those steps at each precision's measured step."""
+    reg, done = preregistration(), Finished()
+    order = list(study.ladder())
+
+    def outcome(run):
+        if run.stage == "calibration":
+            return history(1, dose=1e-3 * (1 + order.index(run.rung)))  # all below the paper-like dose, in ladder order
+        if run.stage == "edge":  # 2 of 3 collapse only at the last multiplication
+            last = run.lr > R["lr"] * study.EDGE_FACTOR ** (study.EDGE_LEVELS - 0.5)
+            return history(run.steps, FALLS if last and run.seed < 2 else RISES)
+        if run.stage == "q1":  # the top rung collapses in 3 of 4 seeds, the others never
+            return history(run.steps, FALLS if run.rung == order[-1] and run.seed % 4 < 3 else RISES)
+        return history(run.steps)
+
+    for _ in range(10):  # each round finishes what the plan asks for, until it asks for nothing new
+        runs, _ = study.plan(reg, R, done)
+        new = [run for run in runs if done(run) is None]
+        if not new:
+            break
+        done.finish(new, outcome)
+    planned = pd.DataFrame([dict(stage=run.stage, steps=run.steps) for run in runs])
+    reached = planned.groupby("stage").agg(runs=("steps", "size"), steps=("steps", "sum"))
+    bound = study.steps_at_most().set_index("stage")
+    assert reached.loc[bound.index, "runs"].tolist() == bound["runs"].tolist()
+    assert reached.loc[bound.index, "steps"].tolist() == bound["steps"].tolist()
+
+    histories = pd.DataFrame(dict(sweep=R["tag"], run=["a"] * 2 + ["b"] * 2, t_rollout=[1.0, 3.0, 2.0, 2.0],
+                                  t_score=1.0, t_update=5.0, t_sync=0.0))
+    reg_one = dict(reg, stage_0_regime=dict(reg["stage_0_regime"], candidates=[dict(R, lr=[R["lr"]])]))
+    study_tag = study.stage0_runs(reg_one)[0][0]
+    cost = study.cost_at_most(histories.assign(sweep=study_tag), reg_one, 0.5).iloc[0]
+    fp32 = bound["steps"] * bound["fp32_share"]
+    assert cost["fp32_step_s"] == 8.0  # each run's median step (8 s and 8 s), their median
+    assert cost["core_hours"] == pytest.approx((fp32.sum() * 8.0 + (bound["steps"].sum() - fp32.sum()) * 4.0) / 3600)
