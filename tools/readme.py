@@ -502,6 +502,19 @@ def _bitwise_steps(rows) -> str:
                                      for sweep, r in rows.groupby(level="sweep", sort=False)) + ")"
 
 
+def block_study_cost() -> str:
+    """The registered study's largest plan in core-hours per stage-0 candidate (experiments/collapse_study.py)."""
+    t, meta = load_table("06_study_cost")
+    cores = meta.get("machine", {}).get("cpu_count") or 1
+    rows = [[r["candidate"].removeprefix("stage0-"), f"{r['fp32_step_s']:.1f}",
+             f"{r['bf16_step_s']:.1f}" + ("" if r["bf16_measured"] else " (taken as FP32's)"),
+             *(f"{r[f'{stage}_core_hours']:.0f}" for stage in ("edge", "q1", "q2", "q3")), f"{r['core_hours']:.0f}",
+             f"{r['core_hours'] / cores / 24:.1f}"] for _, r in t.iterrows()]
+    header = ["stage-0 candidate", "FP32 step, s", "BF16 step, s", "edge", "Q1 (dose)", "Q2 (edge shift)",
+              "Q3 (long)", "core-hours in all", f"days on {cores} cores"]
+    return "\n\n".join([md_table(header, rows), source("06_study_cost", meta)])
+
+
 def block_collapse() -> str:
     rates, meta = load_table("06_collapse")
     design, _ = load_table("06_collapse_design")
@@ -661,6 +674,7 @@ BLOCKS = {
     "grpo-sweep": block_grpo_sweep,
     "dose-response": block_dose_response,
     "collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_collapse),
+    "study-cost": measured_by(".venv/bin/python experiments/collapse_study.py --tables", block_study_cost),
     "grpo-step": measured_by("make bench", block_grpo_step),
     "study-step": measured_by("benchmarks/grpo_step.py --model qwen3-tiny-steps-hot --task steps --max-tokens 112 "
                               "--prompts 32 --group-size 16 --steps 4 --precision fp32 (and bf16; one thread)",
