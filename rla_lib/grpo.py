@@ -266,9 +266,10 @@ def score_rows(policy, ids, attn, rows, old_lp, entropy, old_full=None) -> None:
     """Fill old_lp and entropy (and old_full, the whole distributions, if given) at `rows` (no grad), cut to
     those rows' longest sequence.
 
-    Each row's logprobs depend on neither the other rows nor the padding after it (right padding,
-    causal attention), bit for bit: tests/test_grpo_speed.py checks it. Entries past the cut stay 0;
-    they are padding, masked everywhere they are used.
+    A row's logprobs do not depend on the other rows, bit for bit; the padding the cut removes changes none of its
+    bits with the engine's attention kernel (the engine-aligned arms), but can with PyTorch's SDPA on CPU (its vector
+    blocks over the keys run to the padded width), where the cut is then part of the step's bits
+    (tests/test_grpo_speed.py). Entries past the cut stay 0; they are padding, masked everywhere they are used.
     """
     if len(rows) == 0:
         return

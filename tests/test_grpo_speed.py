@@ -1,9 +1,12 @@
 """The fast GRPO step computes the same bits as the plain one.
 
 `grpo.train_step` takes the first minibatch's old logprobs from its own update forward and scores the
-other rows alone, cut to their own longest sequence. Both rest on one property of the training side:
-a row's logprobs depend neither on the other rows of the batch nor on the padding after it, bit for bit.
-The unit test checks that property; the engine test runs a few steps both ways and compares everything.
+other rows alone, cut to their own longest sequence. The first rests on a row's logprobs not depending on the
+other rows of the batch, bit for bit (every arm). The cut also needs the padding after a row to change none of
+its bits: true of the engine's attention kernels, which read each row's own keys (the engine-aligned arms), not of
+PyTorch's SDPA on CPU, whose vector blocks over the keys run to the padded width. Where the cut leaves a minibatch
+at the batch's width (its longest row is the batch's longest, as in most GRPO minibatches of many rows) it changes
+nothing for any arm; the engine test runs a few steps both ways and compares everything.
 """
 
 import random
@@ -14,7 +17,9 @@ import pytest
 import torch
 
 from rla_lib import grpo, machine, native, task
+from rla_lib.align import Schedule, align
 from rla_lib.align.monitor import mismatch_summary
+from rla_lib.engine_align import kernel_numerics
 from rla_lib.kl import UNIT
 from rla_lib.studies import arms
 from rla_lib.models import load_model, load_tokenizer
@@ -39,29 +44,47 @@ def some_sequences(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("configuration, matmul", [("default BF16", "auto"), ("all three", "auto"), ("FP32 control", "auto"),
                                                    ("default BF16", "fp32")])
-def test_row_logprobs_ignore_other_rows_and_padding(configuration, matmul, monkeypatch):
+def test_row_logprobs_ignore_the_other_rows(configuration, matmul, monkeypatch):
+    """A row's logprobs and entropies at the batch's width are the same alone as among the others (the first
+    minibatch's old logprobs are its update forward's: scored with the other rows of its minibatch only)."""
     monkeypatch.setenv("RLA_BF16_MATMUL", matmul)
     policy = grpo.Policy(grpo.GRPOConfig(**arms.CONFIGURATIONS[configuration]))
     ids, attn = pad_batch(some_sequences(24))
     real = attn[:, 1:] > 0
     with torch.no_grad():
         full_lp, full_entropy = policy.logprobs(ids, attn, grad=False)
-    lengths = attn.sum(1)
-    rows = torch.nonzero(lengths < lengths.max())[:, 0][1::2]  # some of the rows, not the longest
-    width = int(attn[rows].sum(1).max())
-    assert width < ids.shape[1]  # the cut removes padding
-    with torch.no_grad():
-        cut_lp, cut_entropy = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
-    keep = real[rows, : width - 1]
-    row_invariant_unless_amx_gemm(torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep]) and
-                                  torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep]), "a row alone")
-    assert torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep])
-    assert torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep])
+    rows = torch.arange(1, len(ids), 2)
     grad_lp, grad_entropy = policy.logprobs(ids[rows], attn[rows], grad=True)  # the update's forward
     row_invariant_unless_amx_gemm(torch.equal(grad_lp.detach()[real[rows]], full_lp[rows][real[rows]]) and
                                   torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]]), "the update's forward")
     assert torch.equal(grad_lp.detach()[real[rows]], full_lp[rows][real[rows]])
     assert torch.equal(grad_entropy[real[rows]], full_entropy[rows][real[rows]])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_with_the_engines_attention_the_padding_after_a_row_changes_no_bit(precision):
+    """The later rows scored alone, cut to their own longest sequence: with the engine's attention kernel (the
+    engine-aligned arms') a row's logprobs are those at the batch's width, on rows longer than several vectors of
+    keys cut by many widths."""
+    if precision == "fp32":
+        cfg = grpo.GRPOConfig(precision="fp32")
+    else:
+        cfg = grpo.GRPOConfig(regions=("attention",), align_options=dict(attention=kernel_numerics()))
+    policy = grpo.Policy(cfg)
+    if precision == "fp32":  # no BF16 side to align: the FP32 model with the engine kernel's order of sums
+        align(policy.compute, Schedule(attention=kernel_numerics()))
+    rng = random.Random(1)
+    ids, attn = pad_batch([[rng.randrange(1, 16) for _ in range(rng.randrange(8, 90))] for _ in range(12)])
+    real = attn[:, 1:] > 0
+    with torch.no_grad():
+        full_lp, full_entropy = policy.logprobs(ids, attn, grad=False)
+        for rows in (torch.arange(0, 12, 2), torch.arange(1, 12, 3), torch.tensor([5])):
+            width = int(attn[rows].sum(1).max())
+            cut_lp, cut_entropy = policy.logprobs(ids[rows, :width], attn[rows, :width], grad=False)
+            keep = real[rows, : width - 1]
+            row_invariant_unless_amx_gemm(torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep]), "a row alone")
+            assert torch.equal(cut_lp[keep], full_lp[rows, : width - 1][keep]), (precision, width)
+            assert torch.equal(cut_entropy[keep], full_entropy[rows, : width - 1][keep]), (precision, width)
 
 
 def reference_train_step(cfg, step, policy, engine, meter, eval_split, exclude) -> dict:
