@@ -34,7 +34,7 @@ import pandas as pd
 
 from rla_lib import grpo
 from rla_lib.paths import RESULTS_DIR, ROOT, slug
-from rla_lib.report import save_table
+from rla_lib.report import load_table, save_table
 from rla_lib.studies import arms, confirmatory
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
 from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
@@ -220,14 +220,17 @@ def cost_at_most(histories: pd.DataFrame | None, reg: dict, bf16_per_fp32: float
     return pd.DataFrame(rows)
 
 
+STEP_BENCHMARK_MODEL = "qwen3-tiny-steps-hot"  # the model benchmarks/grpo_step.py times the study's step on
+
+
 def bf16_per_fp32() -> float | None:
     """The study step's BF16/FP32 time ratio from `benchmarks/grpo_step.py`'s tables of the stage-0 model (this machine's,
     both written), else None."""
-    tables = ROOT / "tables"
-    found = {p: tables / f"bench_grpo_step_{p}_qwen3-tiny-steps-hot.csv" for p in ("bf16", "fp32")}
-    if not all(path.exists() for path in found.values()):
+    try:
+        bf16, fp32 = (load_table(f"bench_grpo_step_{p}_{STEP_BENCHMARK_MODEL}")[0] for p in ("bf16", "fp32"))
+    except FileNotFoundError:
         return None
-    return float(pd.read_csv(found["bf16"])["total"].iloc[0] / pd.read_csv(found["fp32"])["total"].iloc[0])
+    return float(bf16["total"].iloc[0] / fp32["total"].iloc[0])
 
 
 def read_finished(run: Run) -> pd.DataFrame | None:
@@ -299,10 +302,11 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
     args = parser.parse_args()
     reg = preregistration()
-    r, note = regime(reg, stage0_histories(reg))
+    histories = stage0_histories(reg)
+    r, note = regime(reg, histories)
     runs, waits = plan(reg, r, read_finished)
     if args.plan or args.tables:
-        cost = cost_at_most(stage0_histories(reg), reg, bf16_per_fp32())
+        cost = cost_at_most(histories, reg, bf16_per_fp32())
         if not cost.empty:
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))

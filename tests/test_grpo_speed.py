@@ -66,13 +66,8 @@ def test_with_the_engines_attention_the_padding_after_a_row_changes_no_bit(preci
     """The later rows scored alone, cut to their own longest sequence: with the engine's attention kernel (the
     engine-aligned arms') a row's logprobs are those at the batch's width, on rows longer than several vectors of
     keys cut by many widths."""
-    if precision == "fp32":
-        cfg = grpo.GRPOConfig(precision="fp32")
-    else:
-        cfg = grpo.GRPOConfig(regions=("attention",), align_options=dict(attention=kernel_numerics()))
-    policy = grpo.Policy(cfg)
-    if precision == "fp32":  # no BF16 side to align: the FP32 model with the engine kernel's order of sums
-        align(policy.compute, Schedule(attention=kernel_numerics()))
+    policy = grpo.Policy(grpo.GRPOConfig(precision=precision))
+    align(policy.compute, Schedule(attention=kernel_numerics()))
     rng = random.Random(1)
     ids, attn = pad_batch([[rng.randrange(1, 16) for _ in range(rng.randrange(8, 90))] for _ in range(12)])
     real = attn[:, 1:] > 0
