@@ -20,7 +20,9 @@ The stages, in the registration's order; a stage plans its runs only from finish
 
 Workers share the list as the settings search's do (a lock per run folder, `grpo_sweep.claimed`): start one per core
 and each takes the next run no other holds; every run checkpoints every 10 steps and resumes where it stopped. A
-worker that finds nothing to run says what the study waits for. Runs live in results/collapse_study/<run>/.
+worker that finds nothing to run says what the study waits for. Runs live in results/collapse_study/<run>/; a
+finished one is copied into data/grpo_runs/<run>/ (`grpo_sweep.ship_finished`): commit it, and no machine runs it
+again, as results/ stays behind on the machine that ran it.
 """
 
 import argparse
@@ -237,13 +239,6 @@ def read_finished(run: Run) -> pd.DataFrame | None:
     return sweep.finished(OUT / run.run_id, run.steps)
 
 
-def stage0_histories(reg: dict) -> pd.DataFrame | None:
-    frames = [pd.read_csv(path).assign(run=run_id, **labels)
-              for run_id, labels, _ in sweep.planned_runs(only=[tag for tag, _, _ in stage0_runs(reg)])
-              if (path := sweep.OUT / run_id / "history.csv").exists()]
-    return pd.concat(frames, ignore_index=True) if frames else None
-
-
 def status(runs: list[Run]) -> pd.DataFrame:
     """Per stage: runs planned now, finished, and left."""
     rows = [dict(stage=run.stage, finished=read_finished(run) is not None) for run in runs]
@@ -302,7 +297,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
     args = parser.parse_args()
     reg = preregistration()
-    histories = stage0_histories(reg)
+    histories = sweep.stage0_histories(reg)
     r, note = regime(reg, histories)
     runs, waits = plan(reg, r, read_finished)
     if args.plan or args.tables:
@@ -320,6 +315,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         raise SystemExit(0)
     if r is None:
         raise SystemExit(f"nothing to run: {note}")
+    if copied := sweep.ship_finished((OUT / run.run_id, run.steps) for run in runs):  # finished before a crash
+        print(f"copied to {sweep.SHIPPED_RUNS.relative_to(ROOT)}: {', '.join(copied)}", flush=True)
     done, failed = 0, set()
     while True:  # one run at a time, planned again after each: a finished stage unlocks the next
         todo = [(grpo.GRPOConfig(**sweep.resolved(run.arm, settings_for(r, run))), OUT / run.run_id)
@@ -332,6 +329,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
             done += 1
             if isinstance(h, Exception):  # kept with its checkpoint for the next start; not retried by this worker
                 failed.add(out.name)
+            else:
+                sweep.ship_finished([(out, cfg.steps)])
             print(f"[{done}] {out.name}: " + (f"FAILED: {''.join(traceback.format_exception(h))}"
                                             if isinstance(h, Exception) else "done"), flush=True)
         claim.close()  # lets go of the run's lock

@@ -18,6 +18,8 @@ it next (or by starting the sweep again), and every other run's results as they 
 
 Each run is a `grpo.run` in `results/grpo_sweep/<run>/` (checkpointed: stop and start again, it resumes; the
 checkpoint is read as data only, `torch.load(weights_only=True)`, so a file put in a shared run folder never runs).
+results/ stays on the machine that ran it, so a finished run is copied at once into `data/grpo_runs/<run>/` (history,
+config, machine): committed, it counts as finished everywhere and is never run again (`ship_finished`).
 When all are done, one file collects the per-step histories of every run,
 `data/grpo_sweep/histories.csv.gz` (shipped, so notebook 06b can show the search without re-running it),
 written atomically, with a sidecar `histories.json`: when it was written, from which commit, the grid.
@@ -46,6 +48,7 @@ The dose-response study (`arms.dose_configurations`), lr 3e-4, 150 steps, every 
 import argparse
 import datetime
 import fcntl
+import gzip
 import json
 import subprocess
 import traceback
@@ -63,6 +66,7 @@ from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
 
 OUT = RESULTS_DIR / "grpo_sweep"
 SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
+SHIPPED_RUNS = DATA_DIR / "grpo_runs"  # every finished run, one folder each (`ship_finished`)
 CONFIGS = ["default BF16", "all three", "FP32 control", "default BF16, 3-bit rollouts"]
 COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=32, eval_every=25, eval_prompts=256,
               checkpoint_every=25)
@@ -187,17 +191,25 @@ def write_sidecar(written: str, commit: str | None, runs: int, note: str | None 
     atomic_write(sweep_sidecar_path(SHIPPED), lambda tmp: tmp.write_text(json.dumps(meta, indent=1, default=list) + "\n"))
 
 
-def write_stage0_table() -> dict:
-    """Stage 0 of the collapse study so far, by its registered rule (`collapse.stage0`), from the runs in results/ (an
-    unfinished run is not counted): tables/06_stage0.csv, with the decision in its provenance."""
+def stage0_histories(reg: dict | None = None) -> pd.DataFrame | None:
+    """Every stage-0 run's history so far: a finished run's (here or in the repository), else as far as it ran here."""
     frames = []
-    for run_id, labels, _ in planned_runs(only=[tag for tag, _, _ in stage0_runs()]):
-        path = OUT / run_id / "history.csv"
-        if path.exists():
-            frames.append(pd.read_csv(path).assign(run=run_id, **labels))
-    if not frames:
-        raise SystemExit("no stage-0 run has started: run `experiments/grpo_sweep.py --only <stage0 tags>` first")
-    table, decision = stage0(pd.concat(frames, ignore_index=True))
+    for run_id, labels, settings in planned_runs(only=[tag for tag, _, _ in stage0_runs(reg)]):
+        history = finished(OUT / run_id, settings["steps"])
+        if history is None and (partial := OUT / run_id / "history.csv").exists():
+            history = pd.read_csv(partial)
+        if history is not None:
+            frames.append(history.assign(run=run_id, **labels))
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def write_stage0_table() -> dict:
+    """Stage 0 of the collapse study so far, by its registered rule (`collapse.stage0`), from its runs here and in the
+    repository (an unfinished run is not counted): tables/06_stage0.csv, with the decision in its provenance."""
+    histories = stage0_histories()
+    if histories is None:
+        raise SystemExit("no stage-0 run has started: run `experiments/grpo_sweep.py --only stage0` first")
+    table, decision = stage0(histories)
     save_table(table, "06_stage0", params=dict(decision=decision, rule=preregistration()["stage_0_regime"]["rule"]))
     return decision
 
@@ -215,14 +227,37 @@ def sidecar_from_git() -> None:
                   note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
 
 
+def shipped(folder: Path) -> Path:
+    """Where a run folder's finished run is kept in the repository: `data/grpo_runs/<run>/`."""
+    return SHIPPED_RUNS / Path(folder).name
+
+
 def finished(folder: Path, steps: int) -> pd.DataFrame | None:
-    """A run's history from its folder once it has all its steps (a run checkpoints its history on the way: an
-    unfinished one is still running, or was stopped, and is not collected)."""
-    path = Path(folder) / "history.csv"
-    if not path.exists():
-        return None
-    history = pd.read_csv(path)
-    return history if history["step"].max() >= steps else None
+    """A run's history once it has all its steps: from its folder in results/, else from the repository's copy (a run
+    finished on another machine). A run checkpoints its history on the way: an unfinished one is still running, or
+    was stopped, and is not collected."""
+    for path in (Path(folder) / "history.csv", shipped(folder) / "history.csv.gz"):
+        if path.exists() and (history := pd.read_csv(path))["step"].max() >= steps:
+            return history
+    return None
+
+
+def ship_finished(runs) -> list[str]:
+    """Copy each run of `[(out_dir, steps), ...]` that finished in results/ into `data/grpo_runs/<run>/` (its history,
+    gzipped, and the config and machine it ran with), unless it is there already. results/ stays on the machine that
+    ran it; a run committed from here is never run again. Returns the runs copied."""
+    copied = []
+    for out, steps in runs:
+        out, dest = Path(out), shipped(out)
+        if (dest / "history.csv.gz").exists() or finished(out, steps) is None:
+            continue
+        for name in ("config.json", "machine.json"):
+            if (out / name).exists():
+                atomic_write(dest / name, lambda tmp: tmp.write_bytes((out / name).read_bytes()))
+        history = gzip.compress((out / "history.csv").read_bytes(), mtime=0)  # the same bytes for the same run
+        atomic_write(dest / "history.csv.gz", lambda tmp: tmp.write_bytes(history))  # last: it marks the copy whole
+        copied.append(out.name)
+    return copied
 
 
 def collect(runs) -> tuple[pd.DataFrame, list[str]]:
@@ -266,12 +301,15 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))
     todo = [] if args.collect_only else [
         (grpo.GRPOConfig(**resolved(labels["config"], settings)), OUT / run_id) for run_id, labels, settings in runs]
+    if copied := ship_finished((OUT / run_id, settings["steps"]) for run_id, _, settings in runs):  # before a crash
+        print(f"copied to {SHIPPED_RUNS.relative_to(ROOT)}: {', '.join(copied)}", flush=True)
     failed = []
     for i, (cfg, out, h) in enumerate(arms.run_many(claimed(todo), progress=False, keep_going=True), 1):  # engines shared
         if isinstance(h, Exception):
             print(f"[{i}] {out.name}: FAILED: {''.join(traceback.format_exception(h))}", flush=True)
             failed.append(out.name)
             continue
+        ship_finished([(out, cfg.steps)])
         s = summarize(h, eval_prompts=cfg.eval_prompts)
         print(f"[{i}] {out.name}: eval acc {s['eval acc first']:.3f} -> peak {s['eval acc peak']:.3f} -> last "
               f"{s['eval acc last']:.3f}   k3 {s['k3 mean (1e-4)']:.3g} x 1e-4   {s['step seconds']:.2f} s/step", flush=True)

@@ -88,3 +88,41 @@ def test_stage0_runs_are_the_registered_ones(sweep):
             {k: cand[k] for k in ("model", "task", "steps", "prompts_per_step", "group_size")}
         assert settings.get("temperature", 1.0) == cand.get("temperature", 1.0)
         assert (settings["eval_every"], settings["eval_prompts"]) == (10, 512)
+
+
+def test_a_finished_run_is_copied_to_the_repository_and_never_run_again(sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "SHIPPED_RUNS", tmp_path / "shipped")
+    machine, elsewhere = tmp_path / "results", tmp_path / "other-machine"
+    for folder, history in [(machine / "done", "step,reward\n0,\n1,0.5\n2,0.6\n"), (machine / "running", "step,reward\n0,\n1,0.5\n")]:
+        folder.mkdir(parents=True)
+        (folder / "history.csv").write_text(history)
+        (folder / "machine.json").write_text('{"cpu": "here"}')
+    runs = [(machine / "done", 2), (machine / "running", 2)]
+    assert sweep.ship_finished(runs) == ["done"]  # the unfinished run stays on this machine
+    assert sweep.ship_finished(runs) == []  # copied once
+    copy = tmp_path / "shipped" / "done"
+    assert (copy / "machine.json").read_text() == '{"cpu": "here"}' and not (copy / "config.json").exists()
+    # another machine, with an empty results/, has the run as finished and does not take it
+    assert sweep.finished(elsewhere / "done", 2)["reward"].tolist()[1:] == [0.5, 0.6]
+    assert sweep.finished(elsewhere / "running", 2) is None
+    assert [out.name for _, out in sweep.claimed([(SimpleNamespace(steps=2), elsewhere / n) for n in ("done", "running")])] == ["running"]
+    # the same history gives the same bytes (a re-run that reproduces its run changes nothing in git)
+    before = (copy / "history.csv.gz").read_bytes()
+    (copy / "history.csv.gz").unlink()
+    assert sweep.ship_finished(runs) == ["done"] and (copy / "history.csv.gz").read_bytes() == before
+
+
+def test_stage0_reads_runs_finished_elsewhere_and_runs_in_progress_here(sweep, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "OUT", tmp_path / "results")
+    monkeypatch.setattr(sweep, "SHIPPED_RUNS", tmp_path / "shipped")
+    (first, _, settings), (second, *_) = list(sweep.planned_runs(only=[sweep.stage0_runs()[0][0]]))[:2]
+    steps = settings["steps"]
+    done = "step,eval_accuracy\n" + "".join(f"{s},{0.1 + s / 1000}\n" for s in range(0, steps + 1, 10))
+    (tmp_path / "results" / first).mkdir(parents=True)
+    (tmp_path / "results" / first / "history.csv").write_text(done)
+    assert sweep.ship_finished([(tmp_path / "results" / first, steps)]) == [first]
+    (tmp_path / "results" / first / "history.csv").unlink()  # this machine is gone; the copy is not
+    (tmp_path / "results" / second).mkdir()
+    (tmp_path / "results" / second / "history.csv").write_text("step,eval_accuracy\n0,0.1\n10,0.2\n")
+    histories = sweep.stage0_histories()
+    assert histories.groupby("run")["step"].max().to_dict() == {first: steps, second: 10}
