@@ -186,7 +186,8 @@ bench: setup
 
 # The GRPO studies of notebook 06b (experiments/grpo_sweep.py), one single-core worker per core (faster than
 # one process on all cores: the tiny model's steps do not scale past a core). The workers share one list, a
-# lock per run; resumable; the last worker to finish collects data/grpo_sweep/histories.csv.gz.
+# lock per run; resumable; each finished run is copied into data/grpo_runs/ (commit it: results/ stays with the
+# machine), and the last worker to finish collects data/grpo_sweep/histories.csv.gz.
 # A part: make grpo-sweep SWEEP_ARGS="--only dose"
 SWEEP_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 SWEEP_ARGS ?=
