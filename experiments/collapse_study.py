@@ -39,7 +39,7 @@ from rla_lib.paths import RESULTS_DIR, ROOT, slug
 from rla_lib.report import load_table, save_table
 from rla_lib.studies import arms, confirmatory
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
-from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
+from rla_lib.studies.collapse import preregistration, stage0_decision, stage0_runs
 
 _spec = importlib.util.spec_from_file_location("grpo_sweep", ROOT / "experiments" / "grpo_sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
@@ -86,11 +86,11 @@ def first_step_dose(history: pd.DataFrame) -> float:
     return float(start.iloc[0]) if len(start) else math.nan
 
 
-def regime(reg: dict, histories: pd.DataFrame | None) -> tuple[dict | None, str]:
-    """Regime R's candidate and step size from stage 0's decision, or None and why not."""
-    if histories is None or histories.empty:
+def regime(reg: dict, stage0_table: pd.DataFrame) -> tuple[dict | None, str]:
+    """Regime R's candidate and step size from stage 0's table (`grpo_sweep.stage0_so_far`), or None and why not."""
+    if stage0_table.empty:
         return None, "stage 0 has not started (experiments/grpo_sweep.py --only stage0)"
-    _, decision = stage0(histories, reg)
+    decision = stage0_decision(stage0_table, reg)
     if decision["decision"] == "incomplete":
         return None, f"stage 0 is still running: {', '.join(decision['left'])} unfinished"
     if decision["decision"] == "none learns":
@@ -218,7 +218,7 @@ def cost_at_most(histories: pd.DataFrame | None, reg: dict, bf16_per_fp32: float
         rows.append(dict(candidate=tag, fp32_step_s=per_step, bf16_step_s=per_step * ratio,
                          bf16_measured=bf16_per_fp32 is not None,
                          **{f"{stage}_core_hours": h for stage, h in zip(steps["stage"], seconds / 3600)},
-                         core_hours=float(seconds.sum() / 3600)))
+                         core_hours=float(seconds.sum() / 3600), source="runs"))
     return pd.DataFrame(rows)
 
 
@@ -297,11 +297,13 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
     args = parser.parse_args()
     reg = preregistration()
-    histories = sweep.stage0_histories(reg)
-    r, note = regime(reg, histories)
+    histories, stage0_table, _ = sweep.stage0_so_far(reg)
+    r, note = regime(reg, stage0_table)
     runs, waits = plan(reg, r, read_finished)
     if args.plan or args.tables:
-        cost = cost_at_most(histories, reg, bf16_per_fp32())
+        cost = cost_at_most(histories, reg, bf16_per_fp32())  # a candidate without histories here keeps its row
+        kept = sweep.kept_rows("06_study_cost", "candidate", set(cost.get("candidate", [])))
+        cost = pd.concat([cost, kept], ignore_index=True) if kept is not None and len(kept) else cost
         if not cost.empty:
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))

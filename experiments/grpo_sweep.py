@@ -61,7 +61,7 @@ from rla_lib.studies import arms
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
 from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
 from rla_lib.studies.stability import summarize, sweep_sidecar_path
-from rla_lib.report import git_commit, save_table
+from rla_lib.report import git_commit, load_table, save_table
 from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
 
 OUT = RESULTS_DIR / "grpo_sweep"
@@ -203,13 +203,36 @@ def stage0_histories(reg: dict | None = None) -> pd.DataFrame | None:
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
+def kept_rows(name: str, key: str, at_hand: set) -> pd.DataFrame | None:
+    """The rows of committed table `name` whose `key` is not in `at_hand`, each with its `source`: the table and
+    commit it was computed at, for rows computed from runs (kept rows keep theirs). None without the table."""
+    try:
+        table, meta = load_table(name)
+    except FileNotFoundError:
+        return None
+    computed_at = f"tables/{name}.csv of {meta['commit']}"
+    source = table["source"].where(table["source"] != "runs", computed_at) if "source" in table else computed_at
+    return table.assign(source=source)[lambda t: ~t[key].isin(at_hand)]
+
+
+def stage0_so_far(reg: dict | None = None) -> tuple[pd.DataFrame | None, pd.DataFrame, dict]:
+    """Stage 0 by its registered rule (`collapse.stage0`) from its runs here and in the repository; a candidate none of
+    whose runs is at hand keeps its row of the committed tables/06_stage0.csv (its runs finished on a machine whose
+    results/ is gone, before finished runs were copied into the repository). Returns the histories, table, decision."""
+    histories = stage0_histories(reg)
+    at_hand = set() if histories is None else set(histories["sweep"])
+    kept = kept_rows("06_stage0", "sweep", at_hand)
+    table, decision = stage0(pd.DataFrame(columns=["run", "sweep", "config", "seed", "step", "eval_accuracy"])
+                             if histories is None else histories, reg, kept)
+    return histories, table, decision
+
+
 def write_stage0_table() -> dict:
-    """Stage 0 of the collapse study so far, by its registered rule (`collapse.stage0`), from its runs here and in the
-    repository (an unfinished run is not counted): tables/06_stage0.csv, with the decision in its provenance."""
-    histories = stage0_histories()
-    if histories is None:
+    """Stage 0 of the collapse study so far (`stage0_so_far`; an unfinished run is not counted): tables/06_stage0.csv,
+    with the decision in its provenance."""
+    _, table, decision = stage0_so_far()
+    if table.empty:
         raise SystemExit("no stage-0 run has started: run `experiments/grpo_sweep.py --only stage0` first")
-    table, decision = stage0(histories)
     save_table(table, "06_stage0", params=dict(decision=decision, rule=preregistration()["stage_0_regime"]["rule"]))
     return decision
 
@@ -299,6 +322,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     if args.only and set(args.only) - {tag for tag, *_ in GRID}:
         parser.error(f"unknown tag(s) {sorted(set(args.only) - {tag for tag, *_ in GRID})}; choose from {[t for t, *_ in GRID]}")
     runs = list(planned_runs(args.only, set(args.seeds) if args.seeds else None, args.configs))
+    stage0_table = stage0_so_far()[1]
+    if decided := set(stage0_table.query("source != 'runs' and complete")["sweep"]) if len(stage0_table) else set():
+        runs = [run for run in runs if run[1]["sweep"] not in decided]  # its row is kept: its runs are not run again
+        print(f"stage 0, kept from tables/06_stage0.csv (not run again): {', '.join(sorted(decided))}", flush=True)
     todo = [] if args.collect_only else [
         (grpo.GRPOConfig(**resolved(labels["config"], settings)), OUT / run_id) for run_id, labels, settings in runs]
     if copied := ship_finished((OUT / run_id, settings["steps"]) for run_id, _, settings in runs):  # before a crash

@@ -256,3 +256,13 @@ def test_stage0_picks_the_regime_that_learns_by_the_registered_rule():
     falls = [0.07, 0.20, 0.02, 0.01]  # learned, then collapsed: a regime with no room to stay up is not the regime
     table, decision = c.stage0(pd.concat([stage0_history(rises, 0, falls)] + runs[1:]), reg)
     assert table.set_index("sweep").loc[rises, "collapsed"] == 1 and decision == dict(decision="none learns", regime=None)
+
+    # a candidate whose runs are gone keeps its row of an earlier table; one with any run at hand is computed afresh
+    earlier, _ = c.stage0(pd.concat(runs), reg)
+    earlier = earlier.assign(source="tables/06_stage0.csv of abc1234")
+    table, decision = c.stage0(pd.concat(runs[3:]), reg, kept=earlier)
+    assert table["sweep"].tolist() == [rises, flat] and decision == dict(decision="regime", regime=rises)
+    assert table.set_index("sweep")["source"].to_dict() == {rises: "tables/06_stage0.csv of abc1234", flat: "runs"}
+    table, decision = c.stage0(pd.concat(runs[:1] + runs[3:]), reg, kept=earlier)  # one of rises' seeds at hand
+    assert table.set_index("sweep").loc[rises, "seeds_done"] == 1 and decision == dict(decision="incomplete", left=[rises])
+    assert c.stage0_decision(earlier, reg) == dict(decision="regime", regime=rises)

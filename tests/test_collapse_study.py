@@ -51,7 +51,7 @@ def of(runs, stage):
 def test_no_regime_no_runs_and_the_reason(study):
     reg = preregistration()
     assert study.plan(reg, None, Finished()) == ([], [])
-    r, why = study.regime(reg, None)
+    r, why = study.regime(reg, pd.DataFrame())
     assert r is None and "stage 0 has not started" in why
 
 

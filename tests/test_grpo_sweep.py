@@ -6,6 +6,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 
 from rla_lib.studies import dose_response
@@ -126,3 +127,30 @@ def test_stage0_reads_runs_finished_elsewhere_and_runs_in_progress_here(sweep, t
     (tmp_path / "results" / second / "history.csv").write_text("step,eval_accuracy\n0,0.1\n10,0.2\n")
     histories = sweep.stage0_histories()
     assert histories.groupby("run")["step"].max().to_dict() == {first: steps, second: 10}
+
+
+def test_stage0_keeps_the_committed_row_of_a_candidate_whose_runs_are_gone(sweep, tmp_path, monkeypatch):
+    from rla_lib import report
+
+    monkeypatch.setattr(sweep, "OUT", tmp_path / "results")
+    monkeypatch.setattr(sweep, "SHIPPED_RUNS", tmp_path / "shipped")
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
+    assert sweep.stage0_so_far()[1].empty and sweep.kept_rows("06_stage0", "sweep", set()) is None  # nothing yet
+    tags = [tag for tag, _, _ in sweep.stage0_runs()]
+    row = dict(seeds_done=3, seeds_registered=3, learned=3, collapsed=0, mean_gain=0.2, step_core_hours=1.0,
+               complete=True, learns=True, source="runs")
+    report.save_table(pd.DataFrame([dict(row, sweep=tag) for tag in tags]), "06_stage0")
+    commit = report.load_table("06_stage0")[1]["commit"]
+    histories, table, decision = sweep.stage0_so_far()
+    assert histories is None and decision == dict(decision="regime", regime=tags[0])  # the tie goes to the first
+    assert set(table["source"]) == {f"tables/06_stage0.csv of {commit}"}
+    # a run of the second candidate at hand: that candidate is computed from its runs, the others kept
+    (run_id, _, settings), = sweep.planned_runs(only=[tags[1]], seeds={0})
+    (tmp_path / "results" / run_id).mkdir(parents=True)
+    (tmp_path / "results" / run_id / "history.csv").write_text("step,eval_accuracy,eval_prompts\n0,0.1,512\n10,0.2,512\n")
+    _, table, decision = sweep.stage0_so_far()
+    assert table.set_index("sweep").loc[tags[1], ["seeds_done", "source"]].tolist() == [0, "runs"]
+    assert decision == dict(decision="incomplete", left=[tags[1]])
+    report.save_table(table, "06_stage0")  # written again: a kept row keeps where it came from
+    assert sweep.kept_rows("06_stage0", "sweep", set()).set_index("sweep").loc[tags[0], "source"] == \
+        f"tables/06_stage0.csv of {commit}"

@@ -33,7 +33,7 @@ from rla_lib.studies import collapse, dose_response
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
 from tools.readme_front import (block_front_exactness, block_front_gap, block_front_study, exactness_verdict,
-                                is_exact)
+                                is_exact, kept_note)
 from tools.readme_speed import block_speed, block_study_step, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
@@ -512,7 +512,7 @@ def block_study_cost() -> str:
              f"{r['core_hours'] / cores / 24:.1f}"] for _, r in t.iterrows()]
     header = ["stage-0 candidate", "FP32 step, s", "BF16 step, s", "edge", "Q1 (dose)", "Q2 (edge shift)",
               "Q3 (long)", "core-hours in all", f"days on {cores} cores"]
-    return "\n\n".join([md_table(header, rows), source("06_study_cost", meta)])
+    return "\n\n".join([md_table(header, rows), (kept_note(t, "candidate") + " " + source("06_study_cost", meta)).strip()])
 
 
 def block_collapse() -> str:

@@ -95,6 +95,15 @@ def _candidate(tag: str, cand: dict, lr: float) -> str:
     return f"{cand['model']}, {cand['prompts_per_step']}x{cand['group_size']}{hot}, lr {lr:g}"
 
 
+def kept_note(table, key: str, name=lambda k: k) -> str:
+    """The rows of a study table kept from an earlier one (`source` other than "runs"; `grpo_sweep.kept_rows`), named."""
+    if "source" not in table:
+        return ""
+    kept = table[table["source"].fillna("runs") != "runs"]
+    return "".join(f" Kept from `{src}`, their runs' histories gone with the machine that ran them: "
+                   f"{', '.join(name(k) for k in rows[key])}." for src, rows in kept.groupby("source"))
+
+
 def block_front_study() -> str:
     """The collapse study as registered (data/grpo_study/preregistration.json): stage 0 per candidate from its table
     (candidates without a finished run shown as such), each question with its tests and whether it has run, and one
@@ -129,5 +138,7 @@ def block_front_study() -> str:
                   "no confirmatory question of a regime that does not learn.")
     else:
         answer = f"Stage 0 picked {regime}; the registered questions have not run yet, so: cannot tell yet."
-    return "\n\n".join([stage0, questions, answer + " The earlier, unplanned sweeps and their verdicts: docs/results.md. "
-                         + source("06_stage0", meta)])
+    names = {tag: _candidate(tag, cand, lr) for tag, cand, lr in collapse.stage0_runs(reg)}
+    kept = kept_note(table, "sweep", names.get)
+    return "\n\n".join([stage0, questions, answer + kept + " The earlier, unplanned sweeps and their verdicts: "
+                         "docs/results.md. " + source("06_stage0", meta)])

@@ -11,7 +11,7 @@
     learning(histories)                         # per run of one arm: did it learn beyond noise (nothing to collapse if not)
     warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
     step_size_table(rates, grid)                # per arm: fewer collapses at the smaller of two step sizes?
-    stage0(histories)                           # the pre-registered pilot: which regime learns, by its rule
+    stage0(histories, kept)                     # the pre-registered pilot: which regime learns, by its rule
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
 (`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
@@ -299,17 +299,21 @@ def preregistration(path=None) -> dict:
 LEARN_LAST = 3  # stage 0: the mean of the last 3 evaluations against the first
 
 
-def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
+def stage0(histories, reg: dict | None = None, kept=None) -> tuple["pd.DataFrame", dict]:
     """The pre-registered stage 0 (`preregistration()["stage_0_regime"]`), by its rule, on the histories of its runs
     (columns run, sweep, config, seed, step, eval_accuracy, eval_prompts, t_*; one sweep tag per candidate and step
     size). Per candidate: the registered seeds run to the end, those that learn (the mean of the last `LEARN_LAST`
     evaluations above the first by more than NOISE_Z binomial standard errors of that difference), collapses, the mean
     gain and the median core-hours of a run's training steps (`step_core_hours`, from its step timers; evaluations are
-    not timed); `learns` once every registered seed has finished: at least 2 seeds learn and none collapses. Returns the table and the decision: the regime R (the largest mean gain of those that
-    learn; ties: the fewer core-hours), "none learns" (the study stops at stage 0), or "incomplete" with what is left."""
+    not timed); `learns` once every registered seed has finished: at least 2 seeds learn and none collapses.
+
+    `kept`: rows of an earlier stage-0 table, each with its `source`; a candidate none of whose runs is in `histories`
+    keeps its row from there (its histories are gone, the rule's counts are not), one with any run here is computed
+    afresh (`source` "runs"). Returns the table and `stage0_decision`'s decision."""
     import pandas as pd
 
-    stage = (reg or preregistration())["stage_0_regime"]
+    reg = reg or preregistration()
+    stage = reg["stage_0_regime"]
     seeds, steps_of = set(stage["seeds"]), {tag: cand["steps"] for tag, cand, _ in stage0_runs(reg)}
     rows = []
     mine = histories[(histories["config"] == stage["arm"]) & histories["sweep"].isin(steps_of)]
@@ -331,15 +335,29 @@ def stage0(histories, reg: dict | None = None) -> tuple["pd.DataFrame", dict]:
         rows.append(dict(sweep=sweep, seeds_done=len(done), seeds_registered=len(seeds), learned=learned,
                          collapsed=collapsed, mean_gain=float(np.mean(gains)) if gains else float("nan"),
                          step_core_hours=float(np.median(hours)) if hours else float("nan"), complete=complete,
-                         learns=complete and learned >= 2 and collapsed == 0))
+                         learns=complete and learned >= 2 and collapsed == 0, source="runs"))
     table = pd.DataFrame(rows)
-    left = [t for t in steps_of if t not in set(table.get("sweep", [])) or not table.set_index("sweep").loc[t, "complete"]]
-    if left:
-        return table, dict(decision="incomplete", left=left)
-    learners = table[table["learns"]].sort_values(["mean_gain", "step_core_hours"], ascending=[False, True])
+    if kept is not None and len(kept):
+        fresh = set(mine["sweep"])
+        table = pd.concat([table, kept[kept["sweep"].isin(steps_of) & ~kept["sweep"].isin(fresh)]], ignore_index=True)
+    order = {tag: i for i, tag in enumerate(steps_of)}
+    if len(table):
+        table = table.sort_values("sweep", key=lambda tags: tags.map(order), kind="stable", ignore_index=True)
+    return table, stage0_decision(table, reg)
+
+
+def stage0_decision(table, reg: dict | None = None) -> dict:
+    """Stage 0's decision from its table: "incomplete" with the candidates left while any lacks a finished registered
+    seed; else the regime R, the candidate that learns with the largest mean gain (ties: the fewer core-hours); else
+    "none learns" (the study stops at stage 0)."""
+    tags = [tag for tag, _, _ in stage0_runs(reg)]
+    done = set(table.loc[table["complete"].astype(bool), "sweep"]) if len(table) else set()
+    if left := [tag for tag in tags if tag not in done]:
+        return dict(decision="incomplete", left=left)
+    learners = table[table["learns"].astype(bool)].sort_values(["mean_gain", "step_core_hours"], ascending=[False, True])
     if learners.empty:
-        return table, dict(decision="none learns", regime=None)
-    return table, dict(decision="regime", regime=learners["sweep"].iloc[0])
+        return dict(decision="none learns", regime=None)
+    return dict(decision="regime", regime=learners["sweep"].iloc[0])
 
 
 def stage0_runs(reg: dict | None = None) -> list[tuple[str, dict, float]]:
