@@ -57,16 +57,16 @@ from pathlib import Path
 import pandas as pd
 
 from rla_lib import grpo
-from rla_lib.studies import arms
+from rla_lib.studies import arms, collapse
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
 from rla_lib.studies.collapse import preregistration, stage0, stage0_runs
 from rla_lib.studies.stability import summarize, sweep_sidecar_path
 from rla_lib.report import git_commit, load_table, save_table
-from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write, slug
+from rla_lib.paths import DATA_DIR, RESULTS_DIR, ROOT, atomic_write
 
 OUT = RESULTS_DIR / "grpo_sweep"
 SHIPPED = DATA_DIR / "grpo_sweep" / "histories.csv.gz"
-SHIPPED_RUNS = DATA_DIR / "grpo_runs"  # every finished run, one folder each (`ship_finished`)
+SHIPPED_RUNS = collapse.RUNS_DIR  # every finished run, one folder each (`ship_finished`)
 CONFIGS = ["default BF16", "all three", "FP32 control", "default BF16, 3-bit rollouts"]
 COMMON = dict(model="qwen3-tiny", prompts_per_step=16, group_size=8, max_tokens=32, eval_every=25, eval_prompts=256,
               checkpoint_every=25)
@@ -166,8 +166,7 @@ def planned_runs(only=None, seeds=None, configs=None):
             for name in names:
                 if configs and name not in configs:
                     continue
-                run_id = f"{tag}-s{seed}-{slug(name)}"
-                yield run_id, dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **NAMED.get(name, {}), seed=seed)
+                yield collapse.run_id(tag, seed, name), dict(sweep=tag, config=name, seed=seed), dict(COMMON, **settings, **NAMED.get(name, {}), seed=seed)
 
 
 def resolved(name: str, settings: dict) -> dict:

@@ -266,3 +266,18 @@ def test_stage0_picks_the_regime_that_learns_by_the_registered_rule():
     table, decision = c.stage0(pd.concat(runs[:1] + runs[3:]), reg, kept=earlier)  # one of rises' seeds at hand
     assert table.set_index("sweep").loc[rises, "seeds_done"] == 1 and decision == dict(decision="incomplete", left=[rises])
     assert c.stage0_decision(earlier, reg) == dict(decision="regime", regime=rises)
+
+
+def test_stage0_reads_its_runs_kept_in_the_repository(tmp_path):
+    reg = c.preregistration()
+    (tag, _, _), arm = c.stage0_runs(reg)[0], reg["stage_0_regime"]["arm"]
+    assert c.stage0_shipped(reg, tmp_path) is None
+    for seed in (0, 2):
+        folder = tmp_path / c.run_id(tag, seed, arm)
+        folder.mkdir()
+        stage0_history(tag, seed, [0.07, 0.1, 0.13, 0.15]).drop(columns=["run", "sweep", "config", "seed"]).to_csv(
+            folder / "history.csv.gz", index=False)
+    (tmp_path / c.run_id(tag, 1, "default BF16")).mkdir()  # not the registered arm: not read
+    runs = c.stage0_shipped(reg, tmp_path)
+    assert sorted(runs.groupby(["sweep", "seed", "config"]).groups) == [(tag, 0, arm), (tag, 2, arm)]
+    assert c.stage0(runs, reg)[0].set_index("sweep").loc[tag, "seeds_done"] == 0  # 30 steps of 150: not finished

@@ -12,6 +12,7 @@
     warning_signs(histories, column)            # per run: did the mismatch rise before the collapse, by how many steps
     step_size_table(rates, grid)                # per arm: fewer collapses at the smaller of two step sizes?
     stage0(histories, kept)                     # the pre-registered pilot: which regime learns, by its rule
+    stage0_shipped()                            # its finished runs kept in the repository (data/grpo_runs)
 
 The paper's pattern is a run that rises, then falls to near zero and stays there. A fall "beyond noise" from a peak
 (`stability.accuracy_verdict`'s "degraded") also fires on flat runs: the peak is the maximum of several noisy
@@ -31,7 +32,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from ..paths import DATA_DIR
+from ..paths import DATA_DIR, slug
 from ..report import prose
 from .stability import NOISE_Z, accuracy_verdict, binomial_se
 
@@ -370,6 +371,27 @@ def stage0_runs(reg: dict | None = None) -> list[tuple[str, dict, float]]:
         runs += [(f"stage0-{cand['model']}-{cand['prompts_per_step']}x{cand['group_size']}{hot}-lr{lr:g}", cand, lr)
                  for lr in cand["lr"]]
     return runs
+
+
+RUNS_DIR = DATA_DIR / "grpo_runs"  # finished GRPO runs kept in the repository, a folder each (experiments/grpo_sweep.py)
+
+
+def run_id(tag: str, seed: int, arm: str) -> str:
+    """A study run's name, its folder's in results/ and in `RUNS_DIR`: sweep tag, seed, arm."""
+    return f"{tag}-s{seed}-{slug(arm)}"
+
+
+def stage0_shipped(reg: dict | None = None, runs_dir=None) -> "pd.DataFrame | None":
+    """The histories of stage 0's finished runs kept in the repository (`RUNS_DIR`), labelled as `stage0` reads them
+    (run, sweep, config, seed), or None where none is."""
+    import pandas as pd
+
+    reg = reg or preregistration()
+    stage, runs_dir = reg["stage_0_regime"], Path(runs_dir or RUNS_DIR)
+    frames = [pd.read_csv(path).assign(run=name, sweep=tag, config=stage["arm"], seed=seed)
+              for tag, _, _ in stage0_runs(reg) for seed in stage["seeds"]
+              if (path := runs_dir / (name := run_id(tag, seed, stage["arm"])) / "history.csv.gz").exists()]
+    return pd.concat(frames, ignore_index=True) if frames else None
 
 
 def step_size_table(rates, grid) -> "pd.DataFrame":
