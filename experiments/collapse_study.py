@@ -303,7 +303,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     if args.plan or args.tables:
         cost = cost_at_most(histories, reg, bf16_per_fp32())  # a candidate without histories here keeps its row
         kept = sweep.kept_rows("06_study_cost", "candidate", set(cost.get("candidate", [])))
-        cost = pd.concat([cost, kept], ignore_index=True) if kept is not None and len(kept) else cost
+        if kept is not None and len(kept):
+            order = {tag: i for i, (tag, _, _) in enumerate(stage0_runs(reg))}
+            cost = pd.concat([cost, kept], ignore_index=True).sort_values("candidate", key=lambda c: c.map(order),
+                                                                          ignore_index=True)
         if not cost.empty:
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))
