@@ -101,7 +101,7 @@ def kept_note(table, key: str, name=lambda k: k) -> str:
         return ""
     kept = table[table["source"].fillna("runs") != "runs"]
     return "".join(f" Kept from `{src}`, their runs' histories gone with the machine that ran them: "
-                   f"{', '.join(name(k) for k in rows[key])}." for src, rows in kept.groupby("source"))
+                   f"{'; '.join(name(k) for k in rows[key])}." for src, rows in kept.groupby("source"))
 
 
 def block_front_study() -> str:
