@@ -39,7 +39,7 @@ from rla_lib.paths import RESULTS_DIR, ROOT, slug
 from rla_lib.report import load_table, save_table
 from rla_lib.studies import arms, confirmatory
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
-from rla_lib.studies.collapse import preregistration, stage0_decision, stage0_runs
+from rla_lib.studies.collapse import in_registered_order, preregistration, stage0_decision, stage0_runs
 
 _spec = importlib.util.spec_from_file_location("grpo_sweep", ROOT / "experiments" / "grpo_sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
@@ -304,9 +304,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         cost = cost_at_most(histories, reg, bf16_per_fp32())  # a candidate without histories here keeps its row
         kept = sweep.kept_rows("06_study_cost", "candidate", set(cost.get("candidate", [])))
         if kept is not None and len(kept):
-            order = {tag: i for i, (tag, _, _) in enumerate(stage0_runs(reg))}
-            cost = pd.concat([cost, kept], ignore_index=True).sort_values("candidate", key=lambda c: c.map(order),
-                                                                          ignore_index=True)
+            cost = in_registered_order(pd.concat([cost, kept], ignore_index=True), "candidate", reg)
         if not cost.empty:
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))

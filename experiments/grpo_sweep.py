@@ -249,16 +249,11 @@ def sidecar_from_git() -> None:
                   note="rebuilt from git (`git log -1 -- data/grpo_sweep/histories.csv.gz`): written = the commit date")
 
 
-def shipped(folder: Path) -> Path:
-    """Where a run folder's finished run is kept in the repository: `data/grpo_runs/<run>/`."""
-    return SHIPPED_RUNS / Path(folder).name
-
-
 def finished(folder: Path, steps: int) -> pd.DataFrame | None:
     """A run's history once it has all its steps: from its folder in results/, else from the repository's copy (a run
     finished on another machine). A run checkpoints its history on the way: an unfinished one is still running, or
     was stopped, and is not collected."""
-    for path in (Path(folder) / "history.csv", shipped(folder) / "history.csv.gz"):
+    for path in (Path(folder) / "history.csv", collapse.shipped_history(Path(folder).name, SHIPPED_RUNS)):
         if path.exists() and (history := pd.read_csv(path))["step"].max() >= steps:
             return history
     return None
@@ -270,14 +265,15 @@ def ship_finished(runs) -> list[str]:
     ran it; a run committed from here is never run again. Returns the runs copied."""
     copied = []
     for out, steps in runs:
-        out, dest = Path(out), shipped(out)
-        if (dest / "history.csv.gz").exists() or finished(out, steps) is None:
+        out = Path(out)
+        kept = collapse.shipped_history(out.name, SHIPPED_RUNS)
+        if kept.exists() or finished(out, steps) is None:
             continue
         for name in ("config.json", "machine.json"):
             if (out / name).exists():
-                atomic_write(dest / name, lambda tmp: tmp.write_bytes((out / name).read_bytes()))
+                atomic_write(kept.parent / name, lambda tmp: tmp.write_bytes((out / name).read_bytes()))
         history = gzip.compress((out / "history.csv").read_bytes(), mtime=0)  # the same bytes for the same run
-        atomic_write(dest / "history.csv.gz", lambda tmp: tmp.write_bytes(history))  # last: it marks the copy whole
+        atomic_write(kept, lambda tmp: tmp.write_bytes(history))  # last: it marks the copy whole
         copied.append(out.name)
     return copied
 

@@ -341,10 +341,13 @@ def stage0(histories, reg: dict | None = None, kept=None) -> tuple["pd.DataFrame
     if kept is not None and len(kept):
         fresh = set(mine["sweep"])
         table = pd.concat([table, kept[kept["sweep"].isin(steps_of) & ~kept["sweep"].isin(fresh)]], ignore_index=True)
-    order = {tag: i for i, tag in enumerate(steps_of)}
-    if len(table):
-        table = table.sort_values("sweep", key=lambda tags: tags.map(order), kind="stable", ignore_index=True)
-    return table, stage0_decision(table, reg)
+    return in_registered_order(table, "sweep", reg), stage0_decision(table, reg)
+
+
+def in_registered_order(table, column: str, reg: dict | None = None):
+    """`table`'s rows in the order the registration lists stage 0's candidates (`column` holds their tags)."""
+    order = {tag: i for i, (tag, _, _) in enumerate(stage0_runs(reg))}
+    return table.sort_values(column, key=lambda tags: tags.map(order), kind="stable", ignore_index=True) if len(table) else table
 
 
 def stage0_decision(table, reg: dict | None = None) -> dict:
@@ -381,16 +384,21 @@ def run_id(tag: str, seed: int, arm: str) -> str:
     return f"{tag}-s{seed}-{slug(arm)}"
 
 
+def shipped_history(run: str, runs_dir=None) -> Path:
+    """Where a finished run's history is kept in the repository: `RUNS_DIR/<run>/history.csv.gz`."""
+    return Path(runs_dir or RUNS_DIR) / run / "history.csv.gz"
+
+
 def stage0_shipped(reg: dict | None = None, runs_dir=None) -> "pd.DataFrame | None":
     """The histories of stage 0's finished runs kept in the repository (`RUNS_DIR`), labelled as `stage0` reads them
     (run, sweep, config, seed), or None where none is."""
     import pandas as pd
 
     reg = reg or preregistration()
-    stage, runs_dir = reg["stage_0_regime"], Path(runs_dir or RUNS_DIR)
+    stage = reg["stage_0_regime"]
     frames = [pd.read_csv(path).assign(run=name, sweep=tag, config=stage["arm"], seed=seed)
               for tag, _, _ in stage0_runs(reg) for seed in stage["seeds"]
-              if (path := runs_dir / (name := run_id(tag, seed, stage["arm"])) / "history.csv.gz").exists()]
+              if (path := shipped_history(name := run_id(tag, seed, stage["arm"]), runs_dir)).exists()]
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
