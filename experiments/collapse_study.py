@@ -4,6 +4,8 @@
                                                               # the core-hours of the largest plan per stage-0 candidate
     .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
     .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
+    .venv/bin/python experiments/collapse_study.py --assume-regime TAG   # while stage 0 runs: the edge stage of
+                                                              # candidate TAG ahead of time, kept only if R = TAG
 
 The stages, in the registration's order; a stage plans its runs only from finished runs of the stages it rests on:
 0. the pilot (`experiments/grpo_sweep.py --only stage0`): the regime R (`collapse.stage0`), its step size lr_R.
@@ -27,6 +29,7 @@ again, as results/ stays behind on the machine that ran it.
 
 import argparse
 import importlib.util
+import json
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -39,7 +42,8 @@ from rla_lib.paths import RESULTS_DIR, ROOT, slug
 from rla_lib.report import load_table, save_table
 from rla_lib.studies import arms, confirmatory
 from rla_lib.studies.arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS
-from rla_lib.studies.collapse import in_registered_order, preregistration, stage0_decision, stage0_runs
+from rla_lib.studies.collapse import (in_registered_order, preregistration, shipped_history, stage0_decision,
+                                     stage0_runs)
 
 _spec = importlib.util.spec_from_file_location("grpo_sweep", ROOT / "experiments" / "grpo_sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
@@ -67,6 +71,7 @@ class Run:
     settings: dict = field(default_factory=dict)  # the arm's GRPOConfig settings (the engine schedule's: read later)
     rung: str | None = None  # Q1's ladder rung (the arm without TIS)
     tis: bool = False
+    regime: dict | None = field(default=None, repr=False, compare=False)  # R, to check a finished run's settings
 
     @property
     def run_id(self) -> str:
@@ -95,9 +100,15 @@ def regime(reg: dict, stage0_table: pd.DataFrame) -> tuple[dict | None, str]:
         return None, f"stage 0 is still running: {', '.join(decision['left'])} unfinished"
     if decision["decision"] == "none learns":
         return None, "stage 0: no candidate learns; by the registration the study stops at stage 0"
-    tag = decision["regime"]
-    cand, lr = next((cand, lr) for t, cand, lr in stage0_runs(reg) if t == tag)
-    return dict(cand, lr=lr, tag=tag), f"regime R: {tag}"
+    return regime_of(reg, decision["regime"]), f"regime R: {decision['regime']}"
+
+
+def regime_of(reg: dict, tag: str) -> dict:
+    """A stage-0 candidate as regime R: its settings, step size and sweep tag."""
+    found = [dict(cand, lr=lr, tag=t) for t, cand, lr in stage0_runs(reg) if t == tag]
+    if not found:
+        raise SystemExit(f"{tag!r} is not a stage-0 candidate; they are: {', '.join(t for t, _, _ in stage0_runs(reg))}")
+    return found[0]
 
 
 def settings_for(r: dict, run: Run) -> dict:
@@ -125,7 +136,7 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
     lr_edge = None
     for k in range(1, EDGE_LEVELS + 1):
         lr = r["lr"] * EDGE_FACTOR**k
-        level = [Run("edge", "FP32 control", lr, s, EDGE_STEPS, CONFIGURATIONS["FP32 control"]) for s in EDGE_SEEDS]
+        level = [Run("edge", "FP32 control", lr, s, EDGE_STEPS, CONFIGURATIONS["FP32 control"], regime=r) for s in EDGE_SEEDS]
         runs += level
         done = [outcome(run) for run in level]
         if any(o is None for o in done):
@@ -139,7 +150,7 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
 
     # 2-3. Q1: calibrate every rung, then the ladder up to the first past the paper-like dose
     rungs = ladder()
-    calibration = [Run("calibration", name, r["lr"], 0, 1, s, rung=name) for name, s in rungs.items()]
+    calibration = [Run("calibration", name, r["lr"], 0, 1, s, rung=name, regime=r) for name, s in rungs.items()]
     runs += calibration
     doses = {run.rung: finished(run) for run in calibration}
     if any(h is None for h in doses.values()):
@@ -150,7 +161,7 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
         past = next((i for i, name in enumerate(order) if dose[name] > PAPER_LIKE_DOSE), len(order) - 1)
         def rung_run(name, tis, seed):
             return Run("q1", name + (TIS if tis else ""), r["lr"], seed, Q1_STEPS,
-                       rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis)
+                       rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis, regime=r)
 
         for tis in (False, True):
             base = [rung_run(name, tis, s) for s in Q1_SEEDS for name in order[: past + 1]]
@@ -170,9 +181,9 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
 
     # 4. Q2 at the edge; 5. Q3 at lr_R
     if lr_edge is not None:
-        runs += [Run("q2", arm, lr_edge * f, s, Q2_STEPS, CONFIGURATIONS.get(arm, {}))
+        runs += [Run("q2", arm, lr_edge * f, s, Q2_STEPS, CONFIGURATIONS.get(arm, {}), regime=r)
                  for s in Q2_SEEDS for f in Q2_FACTORS for arm in Q2_ARMS]
-    runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {})) for s in Q3_SEEDS for arm in Q3_ARMS]
+    runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {}), regime=r) for s in Q3_SEEDS for arm in Q3_ARMS]
     return order_for_workers(runs), waits
 
 
@@ -235,8 +246,28 @@ def bf16_per_fp32() -> float | None:
     return float(bf16["total"].iloc[0] / fp32["total"].iloc[0])
 
 
+REGIME_SETTINGS = ("model", "task", "prompts_per_step", "group_size", "temperature", "lr", "steps", "seed")
+
+
 def read_finished(run: Run) -> pd.DataFrame | None:
-    return sweep.finished(OUT / run.run_id, run.steps)
+    """A run's history once it has all its steps, after checking it ran in regime R: a run of another candidate under
+    the same name (one started with --assume-regime before stage 0 chose otherwise) stops the study with what to do."""
+    history = sweep.finished(OUT / run.run_id, run.steps)
+    if history is None or run.regime is None:
+        return history
+    expected = settings_for(run.regime, run)
+    kept = shipped_history(run.run_id, sweep.SHIPPED_RUNS).parent
+    for config in (OUT / run.run_id / "config.json", kept / "config.json"):
+        if config.exists():
+            ran = json.loads(config.read_text())
+            if differ := {k: (ran.get(k), expected[k]) for k in REGIME_SETTINGS
+                          if k in expected and ran.get(k) != expected[k]}:
+                raise SystemExit(f"{config.parent} ran with other settings than regime R ({run.regime['tag']}): "
+                                 + ", ".join(f"{k} {a!r}, R's {b!r}" for k, (a, b) in differ.items())
+                                 + f". It belongs to another candidate: move the folder away (and {kept}, if there), "
+                                 "then start again.")
+            break
+    return history
 
 
 def status(runs: list[Run]) -> pd.DataFrame:
@@ -295,11 +326,26 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print each stage's planned and finished runs, and waits")
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
+    parser.add_argument("--assume-regime", metavar="TAG",
+                        help="while stage 0 still runs, run only the edge stage as if it chose candidate TAG: a "
+                             "speculative run, used only if stage 0 then chooses TAG (its rule does not read it)")
     args = parser.parse_args()
     reg = preregistration()
     histories, stage0_table, _ = sweep.stage0_so_far(reg)
     r, note = regime(reg, stage0_table)
+    speculative = False
+    if args.assume_regime:
+        if args.tables:
+            raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
+        if r is not None and r["tag"] != args.assume_regime:
+            raise SystemExit(f"stage 0 chose {r['tag']}, not {args.assume_regime}: start again without --assume-regime")
+        if r is None and stage0_decision(stage0_table, reg)["decision"] != "incomplete":
+            raise SystemExit(f"{note}: --assume-regime has nothing to run ahead of")
+        if speculative := r is None:
+            r, note = regime_of(reg, args.assume_regime), f"assumed regime R: {args.assume_regime} (stage 0 runs)"
     runs, waits = plan(reg, r, read_finished)
+    if speculative:
+        runs = [run for run in runs if run.stage == "edge"]  # nothing past the edge rests on a guess
     if args.plan or args.tables:
         cost = cost_at_most(histories, reg, bf16_per_fp32())  # a candidate without histories here keeps its row
         kept = sweep.kept_rows("06_study_cost", "candidate", set(cost.get("candidate", [])))
@@ -338,5 +384,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
                                             if isinstance(h, Exception) else "done"), flush=True)
         claim.close()  # lets go of the run's lock
         runs, waits = plan(reg, r, read_finished)
+        if speculative:
+            runs = [run for run in runs if run.stage == "edge"]
     print("nothing more to run now" + ("; " + "; ".join(waits) if waits else "") +
           " (other workers may hold runs; start this again when they finish)")

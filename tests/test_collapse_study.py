@@ -219,3 +219,30 @@ def test_the_cost_bound_is_the_largest_plan_the_rules_can_reach(study):
     fp32 = bound["steps"] * bound["fp32_share"]
     assert cost["fp32_step_s"] == 8.0  # each run's median step (8 s and 8 s), their median
     assert cost["core_hours"] == pytest.approx((fp32.sum() * 8.0 + (bound["steps"].sum() - fp32.sum()) * 4.0) / 3600)
+
+
+def test_a_finished_run_of_another_regime_stops_the_study_with_what_to_do(study, tmp_path, monkeypatch):
+    """A run started with --assume-regime for a candidate stage 0 did not choose has the same name as R's run when
+    their step sizes agree: its settings are read back, and it is not taken as R's."""
+    import json
+
+    monkeypatch.setattr(study, "OUT", tmp_path / "runs")
+    monkeypatch.setattr(study.sweep, "SHIPPED_RUNS", tmp_path / "kept")
+    edge = of(study.plan(preregistration(), R, Finished())[0], "edge")[0]
+    folder = tmp_path / "runs" / edge.run_id
+    folder.mkdir(parents=True)
+    history(100).to_csv(folder / "history.csv", index=False)
+    settings = study.settings_for(R, edge)
+    (folder / "config.json").write_text(json.dumps(settings))
+    assert study.read_finished(edge) is not None  # R's own run
+    (folder / "config.json").write_text(json.dumps(dict(settings, prompts_per_step=32)))
+    with pytest.raises(SystemExit, match="prompts_per_step 32, R's 16.*move the folder away"):
+        study.read_finished(edge)
+
+
+def test_an_assumed_regime_must_be_a_stage0_candidate(study):
+    reg = preregistration()
+    tag, cand, lr = study.stage0_runs(reg)[0]
+    assert study.regime_of(reg, tag) == dict(cand, lr=lr, tag=tag)
+    with pytest.raises(SystemExit, match="not a stage-0 candidate; they are: " + tag):
+        study.regime_of(reg, "stage0-nonesuch")
