@@ -4,8 +4,9 @@
                                                               # the core-hours of the largest plan per stage-0 candidate
     .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
     .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
-    .venv/bin/python experiments/collapse_study.py --assume-regime TAG   # while stage 0 runs: the edge stage of
-                                                              # candidate TAG ahead of time, kept only if R = TAG
+    .venv/bin/python experiments/collapse_study.py --stage calibration   # only that stage's runs (one core on it)
+    .venv/bin/python experiments/collapse_study.py --assume-regime TAG   # while stage 0 runs: the edge search and
+                                                              # calibration of candidate TAG ahead, kept only if R = TAG
 
 The stages, in the registration's order; a stage plans its runs only from finished runs of the stages it rests on:
 0. the pilot (`experiments/grpo_sweep.py --only stage0`): the regime R (`collapse.stage0`), its step size lr_R.
@@ -326,9 +327,12 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print each stage's planned and finished runs, and waits")
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
+    parser.add_argument("--stage", action="append", choices=list(STAGE_ORDER),
+                        help="run only this stage's runs (repeat for several)")
     parser.add_argument("--assume-regime", metavar="TAG",
-                        help="while stage 0 still runs, run only the edge stage as if it chose candidate TAG: a "
-                             "speculative run, used only if stage 0 then chooses TAG (its rule does not read it)")
+                        help="while stage 0 still runs, run the stages that rest on R alone and gate the rest (the "
+                             "edge search, the calibration) as if it chose candidate TAG: speculative runs, used only "
+                             "if stage 0 then chooses TAG (its rule does not read them)")
     args = parser.parse_args()
     reg = preregistration()
     histories, stage0_table, _ = sweep.stage0_so_far(reg)
@@ -343,9 +347,12 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
             raise SystemExit(f"{note}: --assume-regime has nothing to run ahead of")
         if speculative := r is None:
             r, note = regime_of(reg, args.assume_regime), f"assumed regime R: {args.assume_regime} (stage 0 runs)"
+    stages = set(args.stage or STAGE_ORDER) & ({"edge", "calibration"} if speculative else set(STAGE_ORDER))
+
+    def taken(planned):  # nothing past the gating stages rests on a guessed regime
+        return [run for run in planned if run.stage in stages]
+
     runs, waits = plan(reg, r, read_finished)
-    if speculative:
-        runs = [run for run in runs if run.stage == "edge"]  # nothing past the edge rests on a guess
     if args.plan or args.tables:
         cost = cost_at_most(histories, reg, bf16_per_fp32())  # a candidate without histories here keeps its row
         kept = sweep.kept_rows("06_study_cost", "candidate", set(cost.get("candidate", [])))
@@ -364,6 +371,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         raise SystemExit(0)
     if r is None:
         raise SystemExit(f"nothing to run: {note}")
+    runs = taken(runs)
     if copied := sweep.ship_finished((OUT / run.run_id, run.steps) for run in runs):  # finished before a crash
         print(f"copied to {sweep.SHIPPED_RUNS.relative_to(ROOT)}: {', '.join(copied)}", flush=True)
     done, failed = 0, set()
@@ -384,7 +392,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
                                             if isinstance(h, Exception) else "done"), flush=True)
         claim.close()  # lets go of the run's lock
         runs, waits = plan(reg, r, read_finished)
-        if speculative:
-            runs = [run for run in runs if run.stage == "edge"]
+        runs = taken(runs)
     print("nothing more to run now" + ("; " + "; ".join(waits) if waits else "") +
           " (other workers may hold runs; start this again when they finish)")
