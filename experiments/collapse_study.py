@@ -104,6 +104,21 @@ def regime(reg: dict, stage0_table: pd.DataFrame) -> tuple[dict | None, str]:
     return regime_of(reg, decision["regime"]), f"regime R: {decision['regime']}"
 
 
+def assumed_regime(reg: dict, stage0_table: pd.DataFrame, tag: str | None) -> tuple[dict | None, str, bool]:
+    """(R, what it is, whether it is assumed): stage 0's choice; while stage 0 still runs, candidate `tag` if given
+    (--assume-regime). A `tag` stage 0 did not choose, or one given after stage 0 ended without a choice, is refused."""
+    r, note = regime(reg, stage0_table)
+    if tag is None:
+        return r, note, False
+    if r is not None and r["tag"] != tag:
+        raise SystemExit(f"stage 0 chose {r['tag']}, not {tag}: start again without --assume-regime")
+    if r is not None:
+        return r, note, False
+    if stage0_decision(stage0_table, reg)["decision"] != "incomplete":
+        raise SystemExit(f"{note}: --assume-regime has nothing to run ahead of")
+    return regime_of(reg, tag), f"assumed regime R: {tag} (stage 0 still runs)", True
+
+
 def regime_of(reg: dict, tag: str) -> dict:
     """A stage-0 candidate as regime R: its settings, step size and sweep tag."""
     found = [dict(cand, lr=lr, tag=t) for t, cand, lr in stage0_runs(reg) if t == tag]
@@ -336,17 +351,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     args = parser.parse_args()
     reg = preregistration()
     histories, stage0_table, _ = sweep.stage0_so_far(reg)
-    r, note = regime(reg, stage0_table)
-    speculative = False
-    if args.assume_regime:
-        if args.tables:
-            raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
-        if r is not None and r["tag"] != args.assume_regime:
-            raise SystemExit(f"stage 0 chose {r['tag']}, not {args.assume_regime}: start again without --assume-regime")
-        if r is None and stage0_decision(stage0_table, reg)["decision"] != "incomplete":
-            raise SystemExit(f"{note}: --assume-regime has nothing to run ahead of")
-        if speculative := r is None:
-            r, note = regime_of(reg, args.assume_regime), f"assumed regime R: {args.assume_regime} (stage 0 runs)"
+    if args.assume_regime and args.tables:
+        raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
+    r, note, speculative = assumed_regime(reg, stage0_table, args.assume_regime)
     stages = set(args.stage or STAGE_ORDER) & ({"edge", "calibration"} if speculative else set(STAGE_ORDER))
 
     def taken(planned):  # nothing past the gating stages rests on a guessed regime

@@ -246,3 +246,20 @@ def test_an_assumed_regime_must_be_a_stage0_candidate(study):
     assert study.regime_of(reg, tag) == dict(cand, lr=lr, tag=tag)
     with pytest.raises(SystemExit, match="not a stage-0 candidate; they are: " + tag):
         study.regime_of(reg, "stage0-nonesuch")
+
+
+def test_a_regime_is_assumed_only_while_stage0_runs_and_never_against_its_choice(study):
+    reg = preregistration()
+    tags = [tag for tag, _, _ in study.stage0_runs(reg)]
+    table = pd.DataFrame(dict(sweep=tags, complete=True, learns=[t == tags[1] for t in tags],
+                              mean_gain=[0.2 if t == tags[1] else 0.0 for t in tags], step_core_hours=1.0))
+    running = table.assign(complete=[t != tags[-1] for t in tags])
+    r, note, assumed = study.assumed_regime(reg, running, tags[0])
+    assert assumed and r["tag"] == tags[0] and note.startswith("assumed")
+    assert study.assumed_regime(reg, running, None)[0] is None  # nothing assumed, nothing runs
+    r, note, assumed = study.assumed_regime(reg, table, tags[1])  # stage 0 chose it: no longer an assumption
+    assert not assumed and r["tag"] == tags[1]
+    with pytest.raises(SystemExit, match=f"stage 0 chose {tags[1]}, not {tags[0]}"):
+        study.assumed_regime(reg, table, tags[0])
+    with pytest.raises(SystemExit, match="no candidate learns.*nothing to run ahead of"):
+        study.assumed_regime(reg, table.assign(learns=False), tags[0])
