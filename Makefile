@@ -202,11 +202,13 @@ grpo-sweep: setup
 
 # The collapse study's stages after its pilot (experiments/collapse_study.py), one single-core worker per core; each
 # worker plans again after every run (a finished stage unlocks the next) and stops when nothing is left to run now.
+# A part, or ahead of stage 0's choice: make collapse-study STUDY_ARGS="--stage calibration" (or "--assume-regime TAG")
+STUDY_ARGS ?=
 collapse-study: setup
 	mkdir -p results
 	@pids=; for k in $$(seq 0 $$(($(SWEEP_WORKERS) - 1))); do \
 		echo "worker $$k/$(SWEEP_WORKERS): log in results/collapse_study.worker$$k.log"; \
-		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/collapse_study.py \
+		OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$$k taskset -c $$k $(PY) experiments/collapse_study.py $(STUDY_ARGS) \
 			> results/collapse_study.worker$$k.log 2>&1 & pids="$$pids $$!"; sleep 5; \
 	done; fail=0; for p in $$pids; do wait $$p || fail=1; done; \
 	$(PY) experiments/collapse_study.py --tables; exit $$fail
