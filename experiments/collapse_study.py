@@ -354,9 +354,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     if args.assume_regime and args.tables:
         raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
     r, note, speculative = assumed_regime(reg, stage0_table, args.assume_regime)
-    stages = set(args.stage or STAGE_ORDER) & ({"edge", "calibration"} if speculative else set(STAGE_ORDER))
-
     def taken(planned):  # nothing past the gating stages rests on a guessed regime
+        stages = set(args.stage or STAGE_ORDER) & ({"edge", "calibration"} if speculative else set(STAGE_ORDER))
         return [run for run in planned if run.stage in stages]
 
     runs, waits = plan(reg, r, read_finished)
@@ -398,6 +397,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
             print(f"[{done}] {out.name}: " + (f"FAILED: {''.join(traceback.format_exception(h))}"
                                             if isinstance(h, Exception) else "done"), flush=True)
         claim.close()  # lets go of the run's lock
+        if speculative:  # stage 0 may have chosen meanwhile: R is then its choice, or this worker stops
+            r, note, speculative = assumed_regime(reg, sweep.stage0_so_far(reg)[1], args.assume_regime)
         runs, waits = plan(reg, r, read_finished)
         runs = taken(runs)
     print("nothing more to run now" + ("; " + "; ".join(waits) if waits else "") +
