@@ -201,10 +201,16 @@ def capture_dir(model, engine="vllm", mode="compiled") -> Path:
     return GRAPHS_DIR / "captures" / key
 
 
-def _capture_env(engine: str, out: Path, extra: dict | None = None) -> dict:
+def _capture_env(engine: str, mode: str, out: Path, extra: dict | None = None) -> dict:
     env = dict(os.environ) | compile_cache_environment() | (extra or {})  # a capped level's own caches
     env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
-    if engine == "vllm":
+    if engine == "vllm" and mode == "eager":
+        # Nothing compiled is read of an eager engine (its graph is the aten trace): it compiles only vLLM's sampler
+        # op, into the engines' own cache, warm when any engine ran before.
+        env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.pop(ENGINE_INDUCTOR_CACHE, None)  # nothing of its own to seed the engines' cache with
+    elif engine == "vllm":
         env[ENGINE_INDUCTOR_CACHE] = env.get("TORCHINDUCTOR_CACHE_DIR", "")
         # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE): its output code
         # goes to TORCHINDUCTOR_CACHE_DIR. With VLLM_COMPILE (GPU) vLLM's backend puts it under VLLM_CACHE_ROOT.
@@ -221,10 +227,11 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
             env: dict | None = None) -> Path:
     """Run the engine once in a subprocess with a known compile cache; returns the capture directory.
 
-    engine="vllm": real vLLM (mode "compiled" or "eager"), in-process engine core, VLLM_CACHE_ROOT=<dir>/vllm_cache,
-    TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache, VLLM_USE_AOT_COMPILE=0 (fresh, so the compile is cold and
-    writes its output code there); compiled mode also traces the logits processor (which vLLM runs eagerly,
-    outside the compiled graph); eager mode traces the whole forward at the aten level.
+    engine="vllm": real vLLM (mode "compiled" or "eager"), in-process engine core, VLLM_CACHE_ROOT=<dir>/vllm_cache;
+    compiled mode with TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache, VLLM_USE_AOT_COMPILE=0 (fresh, so the compile is
+    cold and writes its output code there), and also traces the logits processor (which vLLM runs eagerly, outside
+    the compiled graph); eager mode traces the whole forward at the aten level (its sampler op compiles warm, in the
+    engines' own cache).
     engine="hf": torch.compile of the Transformers model (mode "compiled"), TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache.
     A finished capture (capture.json present) is reused unless force=True. `env`: more environment variables for
     the subprocess. A vLLM capture then seeds this process's engine compile cache (`seed_compile_cache`).
@@ -250,7 +257,7 @@ def _capture(model, mode: str, engine: str, out: Path, force: bool, timeout: int
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rla_lib.graphs", "capture", str(model), engine, mode, str(out)]
-    proc = subprocess.run(cmd, env=_capture_env(engine, out, env), cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=_capture_env(engine, mode, out, env), cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True,
                           timeout=timeout)
     (out / "capture.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0 or not (out / "capture.json").exists():
