@@ -149,6 +149,7 @@ def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path,
     from rla_lib import report
 
     monkeypatch.setattr(study, "OUT", tmp_path / "runs")
+    monkeypatch.setattr(study.sweep, "SHIPPED_RUNS", tmp_path / "kept")  # not the repository's runs
     monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
     reg = preregistration()
     runs, waits = study.plan(reg, R, Finished())
