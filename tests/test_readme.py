@@ -442,7 +442,8 @@ def test_exactness_verdict_tells_a_distribution_gap_from_a_token_gap():
 @pytest.mark.parametrize("decision, start", [
     ({"decision": "incomplete", "left": ["x"]}, "Cannot tell yet whether the mismatch causes collapse here"),
     ({"decision": "none learns", "regime": None}, "Cannot tell: no stage-0 candidate learned"),
-    ({"decision": "regime", "regime": "stage0-x"}, "Stage 0 picked stage0-x; the registered questions have not run yet"),
+    ({"decision": "regime", "regime": "stage0-qwen3-tiny-steps-hot-32x16-lr0.0001"},
+     "Stage 0 chose regime R: qwen3-tiny-steps-hot, 32x16, lr 0.0001, the largest mean gain"),
 ])
 def test_the_front_pages_study_sentence_names_no_cause_before_a_registered_test(monkeypatch, decision, start):
     """Whatever stage 0 decided, the front page's collapse sentence says what has run and "cannot tell" until a

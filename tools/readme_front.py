@@ -136,9 +136,10 @@ def block_front_study() -> str:
     elif regime is None:
         answer = ("Cannot tell: no stage-0 candidate learned by the registered rule, so the study stops there and asks "
                   "no confirmatory question of a regime that does not learn.")
-    else:
-        answer = f"Stage 0 picked {regime}; the registered questions have not run yet, so: cannot tell yet."
     names = {tag: _candidate(tag, cand, lr) for tag, cand, lr in collapse.stage0_runs(reg)}
+    if regime is not None:
+        answer = (f"Stage 0 chose regime R: {names.get(regime, regime)}, the largest mean gain of the candidates that learn. Cannot "
+                  "tell yet whether the mismatch causes collapse here: none of the registered questions has run.")
     kept = kept_note(table, "sweep", names.get)
     return "\n\n".join([stage0, questions, answer + kept + " The earlier, unplanned sweeps and their verdicts: "
                          "docs/results.md. " + source("06_stage0", meta)])
