@@ -110,9 +110,9 @@ def assumed_regime(reg: dict, stage0_table: pd.DataFrame, tag: str | None) -> tu
     r, note = regime(reg, stage0_table)
     if tag is None:
         return r, note, False
-    if r is not None and r["tag"] != tag:
-        raise SystemExit(f"stage 0 chose {r['tag']}, not {tag}: start again without --assume-regime")
     if r is not None:
+        if r["tag"] != tag:
+            raise SystemExit(f"stage 0 chose {r['tag']}, not {tag}: start again without --assume-regime")
         return r, note, False
     if stage0_decision(stage0_table, reg)["decision"] != "incomplete":
         raise SystemExit(f"{note}: --assume-regime has nothing to run ahead of")
@@ -152,7 +152,8 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
     lr_edge = None
     for k in range(1, EDGE_LEVELS + 1):
         lr = r["lr"] * EDGE_FACTOR**k
-        level = [Run("edge", "FP32 control", lr, s, EDGE_STEPS, CONFIGURATIONS["FP32 control"], regime=r) for s in EDGE_SEEDS]
+        level = [Run("edge", "FP32 control", lr, s, EDGE_STEPS, CONFIGURATIONS["FP32 control"], regime=r)
+                 for s in EDGE_SEEDS]
         runs += level
         done = [outcome(run) for run in level]
         if any(o is None for o in done):
@@ -199,7 +200,8 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
     if lr_edge is not None:
         runs += [Run("q2", arm, lr_edge * f, s, Q2_STEPS, CONFIGURATIONS.get(arm, {}), regime=r)
                  for s in Q2_SEEDS for f in Q2_FACTORS for arm in Q2_ARMS]
-    runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {}), regime=r) for s in Q3_SEEDS for arm in Q3_ARMS]
+    runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {}), regime=r)
+             for s in Q3_SEEDS for arm in Q3_ARMS]
     return order_for_workers(runs), waits
 
 
@@ -354,7 +356,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     if args.assume_regime and args.tables:
         raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
     r, note, speculative = assumed_regime(reg, stage0_table, args.assume_regime)
-    def taken(planned):  # nothing past the gating stages rests on a guessed regime
+
+    def taken(planned):  # the stages asked for; nothing past the gating ones rests on a guessed regime
         stages = set(args.stage or STAGE_ORDER) & ({"edge", "calibration"} if speculative else set(STAGE_ORDER))
         return [run for run in planned if run.stage in stages]
 

@@ -130,16 +130,17 @@ def block_front_study() -> str:
          "none: stage 0 found no regime that learns" if regime is None else "not run yet"]
         for q in reg["questions"].values()])
     total = seeds * len(rows)
+    names = {tag: _candidate(tag, cand, lr) for tag, cand, lr in collapse.stage0_runs(reg)}
     if decision["decision"] == "incomplete":
         answer = (f"Cannot tell yet whether the mismatch causes collapse here: the registered questions wait for stage 0, "
                   f"which has {finished} of its {total} runs; none of its questions has run.")
     elif regime is None:
         answer = ("Cannot tell: no stage-0 candidate learned by the registered rule, so the study stops there and asks "
                   "no confirmatory question of a regime that does not learn.")
-    names = {tag: _candidate(tag, cand, lr) for tag, cand, lr in collapse.stage0_runs(reg)}
-    if regime is not None:
-        answer = (f"Stage 0 chose regime R: {names.get(regime, regime)}, the largest mean gain of the candidates that learn. Cannot "
-                  "tell yet whether the mismatch causes collapse here: none of the registered questions has run.")
+    else:
+        answer = (f"Stage 0 chose regime R: {names.get(regime, regime)}, the largest mean gain of the candidates that "
+                  "learn. Cannot tell yet whether the mismatch causes collapse here: none of the registered questions "
+                  "has run.")
     kept = kept_note(table, "sweep", names.get)
     return "\n\n".join([stage0, questions, answer + kept + " The earlier, unplanned sweeps and their verdicts: "
                          "docs/results.md. " + source("06_stage0", meta)])

@@ -204,22 +204,21 @@ def capture_dir(model, engine="vllm", mode="compiled") -> Path:
 def _capture_env(engine: str, mode: str, out: Path, extra: dict | None = None) -> dict:
     env = dict(os.environ) | compile_cache_environment() | (extra or {})  # a capped level's own caches
     env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
-    if engine == "vllm" and mode == "eager":
+    if engine != "vllm":
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"))
+        return env
+    env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if mode == "eager":
         # Nothing compiled is read of an eager engine (its graph is the aten trace): it compiles only vLLM's sampler
-        # op, into the engines' own cache, warm when any engine ran before.
-        env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.pop(ENGINE_INDUCTOR_CACHE, None)  # nothing of its own to seed the engines' cache with
-    elif engine == "vllm":
+        # op, into the engines' own cache, warm when any engine ran before, and has nothing of its own to seed it with.
+        env.pop(ENGINE_INDUCTOR_CACHE, None)
+    else:
         env[ENGINE_INDUCTOR_CACHE] = env.get("TORCHINDUCTOR_CACHE_DIR", "")
         # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE): its output code
         # goes to TORCHINDUCTOR_CACHE_DIR. With VLLM_COMPILE (GPU) vLLM's backend puts it under VLLM_CACHE_ROOT.
         # Fresh directories make the compile cold, so the code is (re)generated here.
-        env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"),
-                   VLLM_USE_AOT_COMPILE="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    else:
-        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"))
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"), VLLM_USE_AOT_COMPILE="0")
     return env
 
 
@@ -257,8 +256,8 @@ def _capture(model, mode: str, engine: str, out: Path, force: bool, timeout: int
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rla_lib.graphs", "capture", str(model), engine, mode, str(out)]
-    proc = subprocess.run(cmd, env=_capture_env(engine, mode, out, env), cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, env=_capture_env(engine, mode, out, env), cwd=str(PACKAGE_DIR.parent),
+                          capture_output=True, text=True, timeout=timeout)
     (out / "capture.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0 or not (out / "capture.json").exists():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
