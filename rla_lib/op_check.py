@@ -40,7 +40,7 @@ from .align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
 from .align.schedule import load_schedule, schedule_to_align_kwargs
 from .engine import Engine
 from .bf16_matmul import has_fp32_matmul, use_bf16_matmul
-from .machine import machine_key
+from .machine import compile_cache_environment, machine_key
 from .mismatch_cache import core_digest
 from .models import resolve_model
 from .paths import PACKAGE_DIR, RESULTS_DIR, atomic_write
@@ -62,13 +62,18 @@ def _keep_attention_inputs(store: dict, name: str):
     return lambda module, args, output: store.__setitem__(name, tuple(a.detach().clone() for a in args[:3]))
 
 
-def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None) -> dict:
+def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None, graph_dir=None) -> dict:
     """Eager vLLM's values at every point for `n` sampled sequences (needs VLLM_ENABLE_V1_MULTIPROCESSING=0), one response
-    to each of the first `n` `prompts` (token-id lists; None: the task's held-out prompts)."""
+    to each of the first `n` `prompts` (token-id lists; None: the task's held-out prompts). `graph_dir`: also the
+    engine's eager graph capture there (`graphs.capture_eager_with`), where it is not made yet."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("op_check.capture needs the engine in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                            "(op_check.captured does, in a subprocess).")
     with Engine(model, mode="eager") as engine:
+        if graph_dir is not None:  # first, on the fresh engine, as its own capture would trace it
+            from .graphs.captures import capture_eager_with
+
+            capture_eager_with(engine, model, graph_dir)
         vllm_model = engine.model_module()
         store, hooks = {}, []
         for i, layer in enumerate(vllm_model.model.layers):
@@ -92,9 +97,10 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None
 
 
 def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int = 1800, prompts=None,
-             max_tokens: int = 32, seed: int = 0, cache_dir: Path | None = None) -> dict:
+             max_tokens: int = 32, seed: int = 0, cache_dir: Path | None = None, graph_dir: Path | None = None) -> dict:
     """`capture`'s result, kept under `cache_dir` (default results/op_check; one engine start in a subprocess when not
-    kept yet). `prompts`: token-id lists to answer instead of the task's (part of the kept file's name, as a digest)."""
+    kept yet). `prompts`: token-id lists to answer instead of the task's (part of the kept file's name, as a digest).
+    `graph_dir`: where that engine start also leaves the eager graph capture, if it is not there yet."""
     spec = resolve_model(model)
     code = hashlib.sha1(core_digest().encode() + Path(__file__).read_bytes()).hexdigest()[:8]  # a capture is code's too
     asked = "" if prompts is None else "-" + hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts[:n]]).encode()
@@ -103,7 +109,7 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
     if force or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false") | compile_cache_environment()  # a capped level's own caches
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         command = [sys.executable, "-m", "rla_lib.op_check", str(spec.path), "--n", str(n), "--out", str(path),
                    "--max-tokens", str(max_tokens), "--seed", str(seed)]
@@ -111,6 +117,8 @@ def captured(model="qwen3-tiny", n: int = 8, force: bool = False, timeout: int =
             asked_file = path.with_suffix(".prompts.json")
             atomic_write(asked_file, lambda tmp: tmp.write_text(json.dumps([list(map(int, p)) for p in prompts[:n]])))
             command += ["--prompts", str(asked_file)]
+        if graph_dir is not None:
+            command += ["--graph-dir", str(graph_dir)]
         proc = subprocess.run(command, env=env, cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -230,9 +238,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", help="a JSON file of token-id lists (default: the task's held-out prompts)")
+    parser.add_argument("--graph-dir", help="also the engine's eager graph capture in this folder, if not made yet")
     args = parser.parse_args(argv)
     prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else None
-    result = capture(args.model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prompts=prompts)
+    result = capture(args.model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prompts=prompts,
+                     graph_dir=args.graph_dir)
     atomic_write(Path(args.out), lambda tmp: torch.save(result, tmp))
     return 0
 

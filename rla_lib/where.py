@@ -62,7 +62,8 @@ def in_code(model, mode: str) -> pd.DataFrame:
 def in_values(model, prompts, n: int = 8, max_tokens: int = 32, seed: int = 0, cache_dir=None) -> pd.DataFrame:
     """Eager vLLM's value at every op against each training side's, teacher-forced, on one response to each of the
     first `n` prompts (token-id lists): per (layer, point) the elements that differ and the largest difference."""
-    captures = op_check.captured(model, n=n, prompts=prompts, max_tokens=max_tokens, seed=seed, cache_dir=cache_dir)
+    captures = op_check.captured(model, n=n, prompts=prompts, max_tokens=max_tokens, seed=seed, cache_dir=cache_dir,
+                                 graph_dir=graphs.capture_dir(model, "vllm", "eager"))  # one engine start for both
     stock = load_model(model, dtype="bfloat16")
     tables = {STOCK: op_check.teacher_forced(stock, captures),
               ENGINE_ALIGNED: op_check.teacher_forced(stock, captures, engine_schedule_from_code(model, "eager"))}
@@ -73,10 +74,9 @@ def parting(model, prompts, modes=("compiled", "eager"), n: int = 8, max_tokens:
             cache_dir=None) -> pd.DataFrame:
     """Both readings for each mode (values for eager only), one table (`COLUMNS`)."""
     model = resolve_model(model).path
-    parts = [in_code(model, mode) for mode in modes]
-    if "eager" in modes:
-        parts.append(in_values(model, prompts, n, max_tokens, seed, cache_dir))
-    table = pd.concat(parts, ignore_index=True).reindex(columns=COLUMNS)
+    values = [in_values(model, prompts, n, max_tokens, seed, cache_dir)] if "eager" in modes else []  # first: its
+    # engine also makes the eager graph capture the code reading needs
+    table = pd.concat([*(in_code(model, mode) for mode in modes), *values], ignore_index=True).reindex(columns=COLUMNS)
     table["layer"] = [str(layer) if isinstance(layer, str) else str(int(layer)) for layer in table["layer"]]  # 0.., "final"
     table["share_differing"] = table["differing"] / table["elements"]
     return table

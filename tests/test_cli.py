@@ -216,12 +216,23 @@ def test_the_first_parting_is_the_first_point_in_the_forwards_order():
 
 @pytest.mark.engine
 @pytest.mark.parametrize("checkpoint", ["qwen3-tiny", "narrow"])
-def test_where_finds_the_first_parting_of_stock_and_none_for_engine_aligned(checkpoint, tmp_path, capsys, request):
+def test_where_finds_the_first_parting_of_stock_and_none_for_engine_aligned(checkpoint, tmp_path, capsys, request,
+                                                                            monkeypatch):
     """`rla where` on a checkpoint with a chat template and chat prompts, the embedded qwen3-tiny and one of another
     configuration (the narrow full-vocabulary checkpoint: 2 layers, 1 KV head, a 151,936-token vocabulary): stock BF16
     parts from the engine at some (layer, point) in every mode and reading; engine-aligned at none read from the code,
     and at none of the ops teacher-forced where the engine's kernels were measured exact. The narrow checkpoint is read
-    in eager mode only: compiling a new shape for the compiled reading takes minutes on a cold cache."""
+    in eager mode only: compiling a new shape for the compiled reading takes minutes on a cold cache. The eager graph
+    capture is made by the values reading's engine (one start for both), never by an engine of its own."""
+    from rla_lib.graphs import captures
+
+    own_capture = captures._capture
+
+    def no_eager_engine_of_its_own(model, mode, engine, *args):
+        assert (engine, mode) != ("vllm", "eager"), "an engine started for the eager graph capture alone"
+        return own_capture(model, mode, engine, *args)
+
+    monkeypatch.setattr(captures, "_capture", no_eager_engine_of_its_own)
     model = with_chat_template(tmp_path, "qwen3-tiny" if checkpoint == "qwen3-tiny" else request.getfixturevalue("narrow_model"))
     out, modes = tmp_path / "out", ("compiled", "eager") if checkpoint == "qwen3-tiny" else ("eager",)
     argv = ["where", "--model", str(model), "--prompts", str(chat_prompts(tmp_path, 4)), "--sequences", "3",

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from filelock import FileLock  # a dependency of torch
+from filelock import FileLock, Timeout  # a dependency of torch
 
 from .. import sides
 from ..engine import Engine
@@ -112,9 +112,22 @@ def _capture_hf(model: str) -> dict:
 
 
 def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
-    """vLLM scores one prompt; the aten trace of what runs eagerly (all of it in eager mode, else the logits
-    processor, which vLLM runs outside the compiled graph) is saved next to the compile cache."""
+    """vLLM scores one prompt, traced (`trace_engine`); then samples, so the sampler's compiled op is cached too."""
     eng = Engine(model, mode=mode, seed=0, max_model_len=64)
+    found = trace_engine(eng, mode, out, meta)
+    eng.sample([default_ids()], max_tokens=2)  # compiles the sampler's logprob ranking (torch.compile'd in both modes)
+    eng.close()
+    if setting(ENGINE_INDUCTOR_CACHE) is not None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        seed_compile_cache(out / "inductor_cache", setting(ENGINE_INDUCTOR_CACHE) or default_cache_dir())
+    return found
+
+
+def trace_engine(eng: Engine, mode: str, out: Path, meta: dict) -> dict:
+    """A running in-process engine scores one prompt; the aten trace of what runs eagerly (all of it in eager mode, else
+    the logits processor, which vLLM runs outside the compiled graph) is saved in `out`. Returns what was found of the
+    engine (versions, compilation)."""
     vm = eng.model_module()
     hooked = [vm, vm.logits_processor] if mode == "eager" else [vm.logits_processor]
     tracer = AtenTracer(vm, name=f"vllm:{mode}", hooked=hooked, max_forwards=len(hooked))
@@ -133,13 +146,37 @@ def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
                  compilation=info["compilation"], vllm_cache_root=os.environ.get("VLLM_CACHE_ROOT"))
     g.meta.update({**meta, **found})
     g.save(out / ("trace.json" if mode == "eager" else "lm_head_trace.json"))
-    eng.sample([default_ids()], max_tokens=2)  # compiles the sampler's logprob ranking (torch.compile'd in both modes)
-    eng.close()
-    if setting(ENGINE_INDUCTOR_CACHE) is not None:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        seed_compile_cache(out / "inductor_cache", setting(ENGINE_INDUCTOR_CACHE) or default_cache_dir())
     return found
+
+
+def capture_eager_with(eng: Engine, model, out: Path | None = None) -> bool:
+    """The eager capture of `model` (what `capture(model, "eager")` makes with an engine of its own), made with `eng`, a
+    fresh in-process eager engine of that model another job started anyway (`op_check`): one engine start for both.
+    Call it before the engine runs anything else. False, making nothing, where the capture exists or another process
+    is making it."""
+    out = Path(out) if out else capture_dir(model, "vllm", "eager")
+    if (out / "capture.json").exists():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(out.with_name(out.name + ".lock"), timeout=0):
+            if (out / "capture.json").exists():
+                return False
+            _finish_capture(out, {"model": str(model), "engine": "vllm", "mode": "eager"},
+                            lambda meta: trace_engine(eng, "eager", out, meta))
+    except Timeout:
+        return False
+    return True
+
+
+def _finish_capture(out: Path, meta: dict, make) -> None:
+    """Run `make(meta)` (what it found joins the meta) and write capture.json, the mark of a finished capture."""
+    t0 = time.time()
+    meta = meta | {"python": sys.version.split()[0]}
+    meta.update(make(meta))
+    meta["seconds"] = round(time.time() - t0, 1)
+    meta["machine"] = machine()  # the kernels, and so the graph, depend on it
+    atomic_write_json(out / "capture.json", meta)
 
 
 # The inductor cache the engines of the capturing process compile into (set by `_capture_env`; empty: inductor's
@@ -172,12 +209,8 @@ def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
     """Run in a fresh process (`python -m rla_lib.graphs capture ...`): the environment is set before imports."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    meta = {"model": model, "engine": engine, "mode": mode, "python": sys.version.split()[0]}
-    meta.update(_capture_hf(model) if engine == "hf" else _capture_vllm(model, mode, out, meta))
-    meta["seconds"] = round(time.time() - t0, 1)
-    meta["machine"] = machine()  # the kernels, and so the graph, depend on it
-    atomic_write_json(out / "capture.json", meta)
+    _finish_capture(out, {"model": model, "engine": engine, "mode": mode},
+                    lambda meta: _capture_hf(model) if engine == "hf" else _capture_vllm(model, mode, out, meta))
 
 
 def model_key(model) -> str:
