@@ -384,6 +384,11 @@ class Engine:
                     "llm_engine.model_executor.driver_worker.worker.model_runner.model",
                     "llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.model")
 
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM's engine core and worker run in this process (its model module can then be reached)."""
+        return self._in_process
+
     def model_module(self):
         """The nn.Module vLLM runs (with its `logits_processor`); needs VLLM_ENABLE_V1_MULTIPROCESSING=0."""
         for path in self._MODEL_PATHS:

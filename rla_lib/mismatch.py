@@ -86,7 +86,7 @@ def score_training_side(run: MismatchRun, model, side: str, full: bool, temperat
 
 
 def _score_engine_modes(run, model, modes, folder, key, full, temperature, progress, prompts=None,
-                        exact_scorers=None) -> MismatchRun:
+                        exact_scorers=None, on_engine=None) -> MismatchRun:
     """Sample with the first mode (unless cached), then add every mode's scores (each cached on its own); with
     `exact_scorers` (a large vocabulary) also each mode's exact KL against those training sides, with the same
     engine. An engine starts once per mode, and only where something of that mode is not cached."""
@@ -99,6 +99,8 @@ def _score_engine_modes(run, model, modes, folder, key, full, temperature, progr
             def engine():
                 if not running:
                     running.append(stack.enter_context(Engine(model, mode=mode, seed=key["seed"])))
+                    if on_engine is not None:
+                        on_engine(running[0])
                 return running[0]
 
             if run is None:  # the first mode samples; its sampler's logprobs are kept as their own side
@@ -189,6 +191,7 @@ def measure(
     prompts: list | None = None,
     top_p: float = 1.0,
     top_k: int = 0,
+    on_engine=None,
 ) -> MismatchRun:
     """Sample with the first engine mode, score with every mode and every training configuration.
 
@@ -205,6 +208,8 @@ def measure(
     prompts: your own prompts instead of the task's held-out split (n_prompts is then their number): per prompt a
     text, a chat (a list of {"role", "content"} messages: the checkpoint's chat template applied) or token ids; see
     `rla_lib.prompts` (and `read_prompts` for a JSON-lines file). Their rewards are NaN.
+    on_engine: called with each engine as it starts, before it samples or scores (an engine starts only for what is
+    not cached), e.g. to trace it while it is fresh (`graphs.capture_eager_with`).
     """
     _temperature_kwargs(temperature)  # fail before any engine starts
     check_truncation(top_p, top_k)
@@ -226,7 +231,7 @@ def measure(
         scorers[sides.FP32] = ("float32", (), {})
     # at a large vocabulary each mode's engine also gives the exact KL against every side, before it closes
     run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts,
-                              exact_scorers=None if full else scorers)
+                              exact_scorers=None if full else scorers, on_engine=on_engine)
     _score_training_sides(run, spec, scorers, folder, full, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}

@@ -2,6 +2,7 @@
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import papermill
@@ -82,9 +83,33 @@ def shared_results(tmp_path_factory):
 @pytest.mark.engine
 @pytest.mark.parametrize("nb_path", [p for p in NOTEBOOKS if p.stem not in APART], ids=lambda p: p.stem)
 def test_notebook_executes(nb_path, tmp_path, monkeypatch, shared_results):
-    execute(nb_path, FAST[nb_path.stem], tmp_path, monkeypatch, shared_results)
-    if nb_path.stem == "07_cpu_kinds":
-        engine_aligned_is_exact_at_every_level(pd.read_csv(tmp_path / "tables" / "07_isa_spread.csv"))
+    if nb_path.stem != "07_cpu_kinds":
+        execute(nb_path, FAST[nb_path.stem], tmp_path, monkeypatch, shared_results)
+        return
+    with engine_starts_of_this_test(tmp_path, monkeypatch) as starts:
+        execute(nb_path, FAST[nb_path.stem], tmp_path, monkeypatch, shared_results)
+    engine_aligned_is_exact_at_every_level(pd.read_csv(tmp_path / "tables" / "07_isa_spread.csv"))
+    # each level's eager engine is traced for its graph capture as it measures: one eager start per level at most
+    # (none where an earlier notebook's results are reused), never one more for the capture alone
+    eager = [start for start in starts if start["mode"] == "eager"]
+    assert len(eager) <= len(FAST[nb_path.stem]["levels"]), eager
+
+
+@contextmanager
+def engine_starts_of_this_test(tmp_path, monkeypatch):
+    """The engines started meanwhile, in any process (`rla_lib.engine.log_start`), as a list of their log lines, filled
+    on exit; passed on to an outer RLA_ENGINE_LOG (benchmarks/fresh_clone_test.py's) as well."""
+    outer, log, starts = os.environ.get("RLA_ENGINE_LOG"), tmp_path / "engine_starts.jsonl", []
+    monkeypatch.setenv("RLA_ENGINE_LOG", str(log))
+    try:
+        yield starts
+    finally:
+        lines = log.read_text().splitlines(keepends=True) if log.exists() else []
+        starts += [json.loads(line) for line in lines]
+        if outer:
+            monkeypatch.setenv("RLA_ENGINE_LOG", outer)
+            with open(outer, "a") as out:
+                out.writelines(lines)
 
 
 def engine_aligned_is_exact_at_every_level(spread_table):

@@ -47,6 +47,11 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
                  progress: bool | None = None) -> tuple[pd.DataFrame, dict]:
     """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
+    sampling = dict(n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens, seed=seed, progress=progress)
+    # the engines' samples and scores first (cached): the eager engine, fresh, also makes the eager graph capture, one
+    # engine start for both; the training sides follow, once the schedules are read from the captures
+    mismatch.measure(model, MODES, training_configs={}, fp32_reference=False, **sampling,
+                     on_engine=lambda engine: graphs.capture_eager_with(engine, model))
     points, _ = graphs.read_sides(model, tuple(sides.engine(mode) for mode in MODES), progress=progress)
     attention = kernel_numerics()  # the attention of the vLLM library an engine started at this level loads
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
@@ -56,8 +61,7 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
         if attention:  # None off x86 CPUs: no kernel to reproduce
             configs[f"engine_{mode}"] = schedule_to_align_kwargs(  # as align_to_engine completes it, unprobed
                 with_attention(with_rope_rounding(sched, mode), **attention_section({})))
-    run = mismatch.measure(model, MODES, training_configs=configs, n_prompts=n_prompts, n_samples=n_samples,
-                           max_tokens=max_tokens, seed=seed, fp32_reference=False, progress=progress)
+    run = mismatch.measure(model, MODES, training_configs=configs, fp32_reference=False, **sampling)
     m = machine.machine()
     rows = []
     for mode in MODES:
