@@ -92,6 +92,14 @@ def first_step_dose(history: pd.DataFrame) -> float:
     return float(start.iloc[0]) if len(start) else math.nan
 
 
+def q1_rungs(dose: dict[str, float]) -> list[str]:
+    """The rungs Q1 runs, as registered: the natural level, then the others by calibrated dose up to the first past
+    the paper-like dose (all of them if none is)."""
+    order = sorted(dose, key=lambda name: (name != NATURAL, dose[name]))
+    past = next((i for i, name in enumerate(order) if dose[name] > PAPER_LIKE_DOSE), len(order) - 1)
+    return order[: past + 1]
+
+
 def regime(reg: dict, stage0_table: pd.DataFrame) -> tuple[dict | None, str]:
     """Regime R's candidate and step size from stage 0's table (`grpo_sweep.stage0_so_far`), or None and why not."""
     if stage0_table.empty:
@@ -173,18 +181,17 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
     if any(h is None for h in doses.values()):
         waits.append("Q1 waits for the calibration of every rung")
     else:
-        dose = {name: first_step_dose(h) for name, h in doses.items()}
-        order = sorted(rungs, key=lambda name: (name != NATURAL, dose[name]))
-        past = next((i for i, name in enumerate(order) if dose[name] > PAPER_LIKE_DOSE), len(order) - 1)
+        order = q1_rungs({name: first_step_dose(h) for name, h in doses.items()})
+
         def rung_run(name, tis, seed):
             return Run("q1", name + (TIS if tis else ""), r["lr"], seed, Q1_STEPS,
                        rungs[name] | (dict(tis_cap=arms.TIS_CAP) if tis else {}), rung=name, tis=tis, regime=r)
 
         for tis in (False, True):
-            base = [rung_run(name, tis, s) for s in Q1_SEEDS for name in order[: past + 1]]
-            by_rung = {name: [outcome(run) for run in base if run.rung == name] for name in order[: past + 1]}
-            top = next((i for i, name in enumerate(order[: past + 1])
-                        if all(o is not None and o["collapsed"] for o in by_rung[name])), past)
+            base = [rung_run(name, tis, s) for s in Q1_SEEDS for name in order]
+            by_rung = {name: [outcome(run) for run in base if run.rung == name] for name in order}
+            top = next((i for i, name in enumerate(order)
+                        if all(o is not None and o["collapsed"] for o in by_rung[name])), len(order) - 1)
             runs += [run for run in base if order.index(run.rung) <= top]  # none above a rung that always collapsed
             rates = {name: np.mean([o["collapsed"] for o in by_rung[name]]) for name in order[: top + 1]
                      if all(o is not None for o in by_rung[name])}
@@ -312,10 +319,56 @@ def outcomes_of(runs: list[Run], stage: str) -> tuple[pd.DataFrame, list[str]]:
     return pd.DataFrame(rows), missing
 
 
+def edge_table(runs: list[Run]) -> tuple[pd.DataFrame, str]:
+    """The edge search so far: its finished runs (step size, seed, held-out accuracy first, peak and last, collapsed),
+    and what it found, in a sentence computed from them (the edge, the next step size, or where it is)."""
+    done, missing = outcomes_of(runs, "edge")
+    columns = ["lr", "seed", "first", "peak", "last", "collapsed", "collapse_step"]
+    table = done[columns] if not done.empty else pd.DataFrame(columns=columns)
+    levels = sorted({run.lr for run in runs if run.stage == "edge"})
+    if not levels:
+        return table, "The edge search has not started: stage 0 has not chosen regime R."
+    said = []
+    for lr in levels:
+        level = table[np.isclose(table["lr"].astype(float), lr)]
+        seeds = sum(run.lr == lr for run in runs if run.stage == "edge")
+        collapses = int(level["collapsed"].astype(bool).sum())
+        if level.empty:
+            said.append(f"at lr {lr:.3g} none of its {seeds} seeds has finished yet")
+        elif len(level) < seeds:
+            said.append(f"at lr {lr:.3g} the FP32 control collapsed in {collapses} of the {len(level)} seeds finished "
+                        f"of {seeds}; the search waits for the rest")
+        elif collapses >= 2:
+            said.append(f"at lr {lr:.3g} it collapsed in {collapses} of {seeds} seeds: lr_edge = {lr:.3g}, Q2's "
+                        "step sizes are set")
+        else:
+            said.append(f"at lr {lr:.3g} it collapsed in {collapses} of {seeds} seeds (fewer than 2): not the edge")
+    return table, "The edge search, " + "; ".join(said) + "."
+
+
+def calibration_table(runs: list[Run]) -> pd.DataFrame:
+    """Each rung's calibrated dose (nats per response at the first step), its multiple of the natural BF16 dose and of
+    the paper-like one, and whether Q1 runs it."""
+    done, _ = outcomes_of(runs, "calibration")
+    if done.empty:
+        return pd.DataFrame(columns=["rung", "dose", "times_natural", "times_paper_like", "in_q1"])
+    dose = dict(zip(done["rung"], done["dose"]))
+    ran = set(q1_rungs(dose)) if len(dose) == len(ladder()) else set()
+    table = done[["rung", "dose"]].assign(times_natural=done["dose"] / dose.get(NATURAL, math.nan),
+                                         times_paper_like=done["dose"] / PAPER_LIKE_DOSE,
+                                         in_q1=done["rung"].isin(ran))
+    return table.sort_values("dose", ignore_index=True)
+
+
 def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str) -> dict:
-    """tables/06_study_plan.csv always; each question's table once its runs have started; the family of tests and the
-    verdicts in the plan's provenance. Every row is pre-registered (this script runs nothing else)."""
+    """tables/06_study_plan.csv always; the edge search's and the calibration's; each question's table once its runs
+    have started; the family of tests and the verdicts in the plan's provenance. Every row is pre-registered (this
+    script runs nothing else)."""
     q1 = q2 = q3 = None
+    edge, edge_found = edge_table(runs)
+    save_table(edge.assign(preregistered=True), "06_study_edge", params=dict(regime=note, found=edge_found))
+    save_table(calibration_table(runs).assign(preregistered=True), "06_study_calibration",
+               params=dict(regime=note, paper_like_dose=PAPER_LIKE_DOSE))
     tables = {}
     for stage in ("q1", "q2", "q3"):
         done, missing = outcomes_of(runs, stage)

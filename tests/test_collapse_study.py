@@ -264,3 +264,50 @@ def test_a_regime_is_assumed_only_while_stage0_runs_and_never_against_its_choice
         study.assumed_regime(reg, table, tags[0])
     with pytest.raises(SystemExit, match="no candidate learns.*nothing to run ahead of"):
         study.assumed_regime(reg, table.assign(learns=False), tags[0])
+
+
+def test_the_edge_search_and_calibration_tables_say_what_their_runs_found(study, tmp_path, monkeypatch):
+    """The edge search collapses in 1 of 3 seeds at the first step size, then in 2 of 2 finished at the second (the
+    third still running), then in 2 of 3: the sentence follows each state, and names lr_edge only at the last. Every
+    rung's calibrated dose, Q1's rungs marked (up to the first past 8.4); the results page renders both tables."""
+    from rla_lib import report
+    from tools import readme
+
+    monkeypatch.setattr(study, "OUT", tmp_path / "runs")
+    monkeypatch.setattr(study.sweep, "SHIPPED_RUNS", tmp_path / "kept")
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
+    reg = preregistration()
+
+    def finish(run, h):
+        (tmp_path / "runs" / run.run_id).mkdir(parents=True)
+        h.to_csv(tmp_path / "runs" / run.run_id / "history.csv", index=False)
+
+    def found():
+        runs, waits = study.plan(reg, R, study.read_finished)
+        study.write_tables(reg, runs, waits, "regime R: t")
+        return runs, report.load_table("06_study_edge")[1]["params"]["found"]
+
+    runs, _ = found()
+    for run in of(runs, "edge"):
+        finish(run, history(100, FALLS if run.seed == 0 else RISES))
+    for run in of(runs, "calibration"):
+        finish(run, history(1, [0.07, 0.07], dose=DOSES[run.rung]))
+    runs, said = found()
+    second = [run for run in of(runs, "edge") if run.lr > 2e-4]
+    assert said == ("The edge search, at lr 0.00015 it collapsed in 1 of 3 seeds (fewer than 2): not the edge; at lr "
+                    "0.000225 none of its 3 seeds has finished yet.")
+    for run in second[:2]:
+        finish(run, history(100, FALLS))
+    assert found()[1].endswith("at lr 0.000225 the FP32 control collapsed in 2 of the 2 seeds finished of 3; the "
+                               "search waits for the rest.")
+    finish(second[2], history(100, RISES))
+    assert found()[1].endswith("at lr 0.000225 it collapsed in 2 of 3 seeds: lr_edge = 0.000225, Q2's step sizes "
+                               "are set.")
+    edge, _ = report.load_table("06_study_edge")
+    assert len(edge) == 6 and edge["preregistered"].all() and edge["collapsed"].sum() == 1 + 2
+    calibration, _ = report.load_table("06_study_calibration")
+    assert set(calibration.loc[calibration["in_q1"], "rung"]) == {name for name, d in DOSES.items() if d <= 9.0}
+    assert calibration["dose"].is_monotonic_increasing and calibration["times_natural"].iloc[0] == 1.0
+    page = readme.block_study_progress()
+    assert "lr_edge = 0.000225" in page and "Q1 runs 8 of the 11 rungs, up to default BF16, logit noise 2 (9 nats" in page
+    assert "The natural BF16 mismatch is 0.00012 of the paper-like dose." in page

@@ -515,6 +515,33 @@ def block_study_cost() -> str:
     return "\n\n".join([md_table(header, rows), (kept_note(t, "candidate") + " " + source("06_study_cost", meta)).strip()])
 
 
+def block_study_progress() -> str:
+    """The registered study's gating stages as they stand: the edge search's runs and what they found, and the
+    calibrated dose of every rung of Q1's ladder (experiments/collapse_study.py --tables)."""
+    edge, edge_meta = load_table("06_study_edge")
+    calibration, calibration_meta = load_table("06_study_calibration")
+    edge_rows = [[f"{r['lr']:.3g}", int(r["seed"]), f"{r['first']:.3f} → {r['peak']:.3f} → {r['last']:.3f}",
+                  f"yes, at step {int(r['collapse_step'])}" if r["collapsed"] else "no"] for _, r in edge.iterrows()]
+    parts = [edge_meta.get("params", {}).get("found", "")]
+    if edge_rows:
+        parts += [md_table(["step size", "seed", "held-out accuracy first → peak → last", "collapsed"], edge_rows)]
+    parts.append(source("06_study_edge", edge_meta))
+    if len(calibration):
+        paper_like = calibration_meta.get("params", {}).get("paper_like_dose")
+        rows = [[r["rung"], f"{r['dose']:.3g}", f"{r['times_natural']:.3g}", f"{r['times_paper_like']:.3g}",
+                 "yes" if r["in_q1"] else "no"] for _, r in calibration.iterrows()]
+        ran = calibration[calibration["in_q1"].astype(bool)]
+        natural = calibration.loc[calibration["rung"] == "default BF16", "times_paper_like"]
+        said = (f"Q1 runs {len(ran)} of the {len(calibration)} rungs, up to {ran['rung'].iloc[-1]} "
+                f"({ran['dose'].iloc[-1]:.3g} nats per response), the first past the paper-like {paper_like:g}. "
+                if len(ran) else "Q1's rungs are set once every rung is calibrated. ")
+        if len(natural):
+            said += f"The natural BF16 mismatch is {natural.iloc[0]:.2g} of the paper-like dose."
+        parts += [said, md_table(["rung", "dose (nats per response)", "x natural BF16", "x paper-like", "in Q1"], rows),
+                  source("06_study_calibration", calibration_meta)]
+    return "\n\n".join(part for part in parts if part)
+
+
 def block_collapse() -> str:
     rates, meta = load_table("06_collapse")
     design, _ = load_table("06_collapse_design")
@@ -675,6 +702,7 @@ BLOCKS = {
     "dose-response": block_dose_response,
     "collapse": measured_by(".venv/bin/python experiments/collapse_design.py", block_collapse),
     "study-cost": measured_by(".venv/bin/python experiments/collapse_study.py --tables", block_study_cost),
+    "study-progress": measured_by(".venv/bin/python experiments/collapse_study.py --tables", block_study_progress),
     "grpo-step": measured_by("make bench", block_grpo_step),
     "study-step": measured_by("benchmarks/grpo_step.py --model qwen3-tiny-steps-hot --task steps --max-tokens 112 "
                               "--prompts 32 --group-size 16 --steps 4 --precision fp32 (and bf16; one thread)",
