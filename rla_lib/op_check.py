@@ -71,9 +71,9 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None
                            "(op_check.captured does, in a subprocess).")
     with Engine(model, mode="eager") as engine:
         if graph_dir is not None:  # first, on the fresh engine, as its own capture would trace it
-            from .graphs.captures import capture_eager_with
+            from . import graphs  # its engine-side modules are loaded on first use
 
-            capture_eager_with(engine, model, graph_dir)
+            graphs.capture_eager_with(engine, model, graph_dir)
         vllm_model = engine.model_module()
         store, hooks = {}, []
         for i, layer in enumerate(vllm_model.model.layers):
