@@ -309,5 +309,5 @@ def test_the_edge_search_and_calibration_tables_say_what_their_runs_found(study,
     assert set(calibration.loc[calibration["in_q1"], "rung"]) == {name for name, d in DOSES.items() if d <= 9.0}
     assert calibration["dose"].is_monotonic_increasing and calibration["times_natural"].iloc[0] == 1.0
     page = readme.block_study_progress()
-    assert "lr_edge = 0.000225" in page and "Q1 runs 8 of the 11 rungs, up to default BF16, logit noise 2 (9 nats" in page
+    assert "lr_edge = 0.000225" in page and "Q1 runs 8 of the 11 rungs, up to “default BF16, logit noise 2” (9 nats" in page
     assert "The natural BF16 mismatch is 0.00012 of the paper-like dose." in page

@@ -528,11 +528,12 @@ def block_study_progress() -> str:
     parts.append(source("06_study_edge", edge_meta))
     if len(calibration):
         paper_like = calibration_meta.get("params", {}).get("paper_like_dose")
-        rows = [[r["rung"], f"{r['dose']:.3g}", f"{r['times_natural']:.3g}", f"{r['times_paper_like']:.3g}",
+        times = lambda x: f"{x:.3g}" if x < 1000 else f"{x:,.0f}"
+        rows = [[r["rung"], f"{r['dose']:.3g}", times(r["times_natural"]), f"{r['times_paper_like']:.3g}",
                  "yes" if r["in_q1"] else "no"] for _, r in calibration.iterrows()]
         ran = calibration[calibration["in_q1"].astype(bool)]
         natural = calibration.loc[calibration["rung"] == "default BF16", "times_paper_like"]
-        said = (f"Q1 runs {len(ran)} of the {len(calibration)} rungs, up to {ran['rung'].iloc[-1]} "
+        said = (f"Q1 runs {len(ran)} of the {len(calibration)} rungs, up to “{ran['rung'].iloc[-1]}” "
                 f"({ran['dose'].iloc[-1]:.3g} nats per response), the first past the paper-like {paper_like:g}. "
                 if len(ran) else "Q1's rungs are set once every rung is calibrated. ")
         if len(natural):
