@@ -151,7 +151,8 @@ def trace_engine(eng: Engine, mode: str, out: Path, meta: dict) -> dict:
 
 def capture_eager_with(eng: Engine, model, out: Path | None = None) -> bool:
     """The eager capture of `model` (what `capture(model, "eager")` makes with an engine of its own), made with `eng`, a
-    fresh in-process eager engine of that model another job started anyway (`op_check`): one engine start for both.
+    fresh in-process eager engine of that model another job started anyway (`rla where`'s values reading, a level of
+    notebook 07 as it measures): one engine start for both.
     Call it before the engine runs anything else. False, making nothing, where the capture exists, another process
     is making it, or `eng` is not an eager engine in this process (its model cannot be traced from here)."""
     out = Path(out) if out else capture_dir(model, "vllm", "eager")
