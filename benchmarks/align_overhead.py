@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/align_overhead.py                    # both shapes
     .venv/bin/python benchmarks/align_overhead.py --shape large --configs "all 3 fused;engine schedule fused" --no-save
-    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 2 --no-save --no-engine   # quickest
-    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 2 --no-save --configs "engine schedule fused"  # quickest, starts vLLM (slow: make test-bench)
+    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 4 --settle 0 --no-save --no-engine --configs "stock (A/A);all three;all 3 fused"   # quickest
+    .venv/bin/python benchmarks/align_overhead.py --shape small --rounds 4 --settle 0 --no-save --configs "engine schedule fused"  # quickest, starts vLLM (slow: make test-bench)
 
 Configurations: stock, each region alone and all three (eager), and with `fused=True` (compiled rotary
 and SwiGLU kernels; the residual norms have no fused form); and the engine-aligned configuration: the
@@ -39,6 +39,7 @@ memory an alignment adds; it is not a process peak (transient buffers are not co
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -143,9 +144,11 @@ def step_memory(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
 
 def ratio_ci(times: list[float], stock: list[float], n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """Geometric mean of the per-round ratios times/stock and its 95% bootstrap CI (pairs of rounds resampled: a
-    round and its reversal, `round_order`; an odd last round is its own unit)."""
+    round and its reversal, `round_order`; an odd last round is its own unit). One unit has no interval (NaN)."""
     logs = np.log(np.asarray(times) / np.asarray(stock))
     logs = np.array([logs[i : i + 2].mean() for i in range(0, len(logs), 2)])
+    if len(logs) < 2:
+        return float(np.exp(logs.mean())), math.nan, math.nan
     low, high = np.quantile(logs[bootstrap_indices(len(logs), n_boot, seed)].mean(1), [0.025, 0.975])
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
@@ -231,7 +234,8 @@ def bench_shape(name: str, rounds: int, warmup: int, device: str, order: str = "
             row += [f"{statistics.median(times[config]) * 1e3:.0f} ms"]
             row += [pct(statistics.median(a / b for a, b in zip(times[config], times["stock"])))]
         _, low, high = ratio_ci(cpu[config], cpu["stock"])
-        row += [f"[{pct(low)}, {pct(high)}]"]
+        # stock against itself is 1 by definition, not a measured interval; one pair of rounds gives none
+        row += ["reference" if config == "stock" else f"[{pct(low)}, {pct(high)}]" if low == low else "one pair: none"]
         row += [f"{min(cpu[config]) * 1e3:.0f} ms", pct(min(cpu[config]) / min(cpu["stock"]))]
         row += [f"{memory[config] / 2**20:.1f} MiB", pct(memory[config] / memory["stock"])]
         print(line.format(*row))

@@ -21,13 +21,16 @@ from rla_lib.report import TABLES_DIR
 BENCHMARKS = ROOT / "benchmarks"
 QUICKEST = re.compile(r"^\s+\.venv/bin/python benchmarks/(\S+\.py)(.*?)\s+# quickest\b(.*)$", re.M)
 NUMBER = r"[+-]?\d+(?:\.\d+)?"
-OVERHEAD_ROW = (rf"\s+\d+ ms\s+{NUMBER}%\s+\d+ ms\s+{NUMBER}%\s+\[{NUMBER}%, {NUMBER}%\]\s+\d+ ms\s+{NUMBER}%"
+OVERHEAD_ROW = (rf"\s+\d+ ms\s+{NUMBER}%\s+\d+ ms\s+{NUMBER}%\s+{{}}\s+\d+ ms\s+{NUMBER}%"
                 rf"\s+{NUMBER} MiB\s+{NUMBER}%$")  # align_overhead's row of a configuration: wall, CPU, CI, best, memory
 # One line of figures each benchmark prints (numbers where numbers belong: a NaN or an empty table does not match)
 FIGURES = {
     "adamw_step.py": rf"^AdamW step, qwen3-tiny \(\d+ M parameters\), median of \d+: torch for-loop {NUMBER} s, "
                      rf"foreach {NUMBER} s, rla_lib\.native {NUMBER} s .*same bits: True$",
-    "align_overhead.py": rf"^stock{OVERHEAD_ROW}\n[a-z].*?{OVERHEAD_ROW}",  # stock's row and an aligned one's
+    # stock's row (the reference) and an aligned one's, its CI an interval of nonzero width (its quickest form runs
+    # two pairs of rounds)
+    "align_overhead.py": (rf"^stock{OVERHEAD_ROW.format('reference')}\n[a-z].*?"
+                          + OVERHEAD_ROW.format(rf"\[(?!(?P<low>{NUMBER})%, (?P=low)%\]){NUMBER}%, {NUMBER}%\]")),
     "bf16_matmul.py": rf"^\s*\w+\s+\w+\s+\w+\s+float32(\s+{NUMBER}){{6}}$",
     "engine_start.py": rf"^alone\s+eager\s+start\s+{NUMBER} s\s+sample\s+{NUMBER} s\s+close\s+{NUMBER} s$",
     "exactness.py": rf"^\s*qwen3-tiny\s+eager\s+engine-aligned\s+\d+\s+\d+\s+{NUMBER}\s+{NUMBER}\s",
