@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
+from . import graphs  # its modules load on first use
 from .sides import align_config
 from .align.attention import KERNELS as ATTENTION_KERNELS
 from .align.modeling_qwen import FINAL_ROUNDING_POINTS, ROUNDING_POINTS
@@ -71,8 +72,6 @@ def capture(model, n: int = 8, max_tokens: int = 32, seed: int = 0, prompts=None
                            "(op_check.captured does, in a subprocess).")
     with Engine(model, mode="eager") as engine:
         if graph_dir is not None:  # first, on the fresh engine, as its own capture would trace it
-            from . import graphs  # its engine-side modules are loaded on first use
-
             graphs.capture_eager_with(engine, model, graph_dir)
         vllm_model = engine.model_module()
         store, hooks = {}, []
