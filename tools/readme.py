@@ -521,7 +521,8 @@ def block_study_progress() -> str:
     edge, edge_meta = load_table("06_study_edge")
     calibration, calibration_meta = load_table("06_study_calibration")
     edge_rows = [[f"{r['lr']:.3g}", int(r["seed"]), f"{r['first']:.3f} → {r['peak']:.3f} → {r['last']:.3f}",
-                  f"yes, at step {int(r['collapse_step'])}" if r["collapsed"] else "no"] for _, r in edge.iterrows()]
+                  f"yes, at step {int(r['collapse_step'])}" if r["collapsed"] else "no"]
+                 for _, r in edge.sort_values(["lr", "seed"]).iterrows()]
     parts = [edge_meta.get("params", {}).get("found", "")]
     if edge_rows:
         parts += [md_table(["step size", "seed", "held-out accuracy first → peak → last", "collapsed"], edge_rows)]
