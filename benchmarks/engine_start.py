@@ -12,8 +12,8 @@ Each engine runs in a fresh Python process, as a notebook or a test process star
 - eager, alone;
 - two eager engines started side by side, with vLLM-CPU's own binding (`VLLM_CPU_OMP_THREADS_BIND=auto`, which puts
   every one-worker engine's compute thread on the first core) and with a core each (`machine.engine_core_environment`);
-- compiled, with empty compile caches; with an empty cache seeded from a capture of the same model
-  (`graphs.seed_compile_cache`, as a capture does for the engines of its process); and warm (the same cache again);
+- compiled, with empty compile caches; warm (the same caches again); and with empty caches a graph capture of the
+  same model compiled in first (`graphs.capture`: it compiles in the engines' cache, which it leaves warm);
 - close: waiting for vLLM's teardown (`close(wait=True)`) and handing it to a thread (`close()` on a small model).
 
 Prints and writes tables/bench_engine_start.csv (one row per engine process; not with `--no-save`). `--quick`: the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rla_lib.graphs import capture, seed_compile_cache
+from rla_lib.graphs import capture
 from rla_lib.machine import engine_core_environment
 from rla_lib.paths import ROOT
 from rla_lib.report import save_table
@@ -87,16 +87,16 @@ def side_by_side(model: str, add) -> None:
 
 
 def compiled_apart(model: str, add) -> None:
-    """Compiled engines in their own processes: empty caches, warm, and empty caches seeded from a capture."""
+    """Compiled engines in their own processes: empty caches, warm, and empty caches a capture compiled in first."""
     with tempfile.TemporaryDirectory(prefix="rla-engine-start-") as tmp:
         tmp = Path(tmp)
         cold = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "cold" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "cold" / "vllm"))
         add("empty compile caches", "compiled", result(launch(model, "compiled", cold)))
         add("same caches again (warm)", "compiled", result(launch(model, "compiled", cold)))
-        captured = capture(model, "compiled", out_dir=tmp / "capture")  # (also seeds this process's cache)
-        seeded = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "seeded" / "inductor"), VLLM_CACHE_ROOT=str(tmp / "seeded" / "vllm"))
-        seed_compile_cache(captured / "inductor_cache", seeded["TORCHINDUCTOR_CACHE_DIR"])
-        add("empty caches seeded from a capture of the model", "compiled", result(launch(model, "compiled", seeded)))
+        captured = dict(TORCHINDUCTOR_CACHE_DIR=str(tmp / "captured" / "inductor"),
+                        VLLM_CACHE_ROOT=str(tmp / "captured" / "vllm"))
+        capture(model, "compiled", out_dir=tmp / "capture", env=captured)
+        add("empty caches a capture of the model compiled in", "compiled", result(launch(model, "compiled", captured)))
 
 
 def main() -> None:

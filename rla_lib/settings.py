@@ -25,8 +25,6 @@ VARIABLES = {
                                      "(read by the engine's processes)"),
     "RLA_ENGINE_LOG": (None, "a file every engine start appends a line to: the running test, model, mode and seconds "
                              "(benchmarks/fresh_clone_test.py's inventory of engine starts)"),
-    "RLA_ENGINE_INDUCTOR_CACHE": (None, "internal: the compile cache a graph capture seeds from (set for its "
-                                        "process only)"),
 }
 # Read by the tests and the Makefile, not by the package.
 TEST_VARIABLES = {

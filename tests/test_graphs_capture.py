@@ -19,39 +19,28 @@ from test_prompts import with_chat_template
 
 
 @pytest.mark.engine
-def test_real_compiled_cache_from_this_run(tmp_path, monkeypatch):
-    engine_cache = tmp_path / "engine_inductor_cache"  # where this process's engines would compile
+def test_a_capture_reads_the_same_code_from_a_cold_or_a_warm_engine_cache(tmp_path, monkeypatch):
+    engine_cache = tmp_path / "engine_inductor_cache"  # where this process's engines compile: empty, so the first is cold
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(engine_cache))
-    out = graphs.capture("qwen3-tiny", "compiled", out_dir=tmp_path / "capture")
-    files = graphs.find_output_code(out)
-    assert files and all(tmp_path / "capture" in f.parents for f in files)
-    # the capture's compile seeded the engines' cache: every file of it, byte for byte, but the locks
-    compiled = {p.relative_to(out / "inductor_cache") for p in (out / "inductor_cache").rglob("*")
-                if p.is_file() and "locks" not in p.parts}
-    assert compiled and all((engine_cache / p).read_bytes() == (out / "inductor_cache" / p).read_bytes() for p in compiled)
-    assert not (engine_cache / "locks").exists()
-    g = graphs.engine_graph(out)
+
+    def cached() -> set:
+        return {p.relative_to(engine_cache) for p in engine_cache.rglob("*") if p.is_file() and "locks" not in p.parts}
+
+    cold = graphs.capture("qwen3-tiny", "compiled", out_dir=tmp_path / "cold")
+    compiled = cached()
+    assert compiled  # the capture compiled in the engines' cache: the next engine of the model starts warm
+    warm = graphs.capture("qwen3-tiny", "compiled", out_dir=tmp_path / "warm")
+    code = [graphs.find_output_code(out) for out in (cold, warm)]
+    assert code[0] and all(tmp_path / "cold" in f.parents for f in code[0])
+    assert [f.read_text() for f in code[1]] == [f.read_text() for f in code[0]]  # found in the cache: the same code
+    assert cached() == compiled, "the warm capture compiled again"
+    g = graphs.engine_graph(warm)
     points = graphs.read_points(g)
     summary = points.summary()
     assert {k: summary[k] for k in COMPILED_CPU} == COMPILED_CPU
     assert summary["lm_head.output"] == "bf16"  # the logits processor, traced: vLLM runs it outside the graph
     sched = graphs.schedule(points, "vllm:compiled")
     assert schedule_to_align_kwargs(sched)[0] == REGIONS and sched["align"]["exact"]
-
-
-def test_seeding_copies_what_the_target_lacks_never_replaces_and_skips_locks(tmp_path):
-    source, target = tmp_path / "capture_cache", tmp_path / "engine_cache"
-    for name, text in {"ab/cabc.py": "kernel", "ab/cabc.so": "binary", "fxgraph/x/fx1/entry": "graph",
-                       "locks/cabc.lock": ""}.items():
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        (source / name).write_text(text)
-    (target / "ab").mkdir(parents=True)
-    (target / "ab" / "cabc.so").write_text("compiled here")  # content-addressed: the same name is the same content
-    assert graphs.seed_compile_cache(source, target) == 2
-    assert (target / "ab" / "cabc.py").read_text() == "kernel" and (target / "fxgraph/x/fx1/entry").read_text() == "graph"
-    assert (target / "ab" / "cabc.so").read_text() == "compiled here"
-    assert not (target / "locks").exists() and not list(target.rglob("*.partial"))
-    assert graphs.seed_compile_cache(source, target) == 0  # nothing left to copy
 
 
 def test_checkpoints_of_one_architecture_share_a_capture_and_not_a_schedule(tmp_path):

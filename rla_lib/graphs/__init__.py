@@ -60,7 +60,7 @@ _EXPORTS = {
     "schedules": ("export_schedule", "schedule", "schedule_notes"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
     "captures": ("SIDES", "capture", "capture_dir", "capture_eager_with", "engine_graph", "find_output_code",
-                 "merge_graphs", "parse_cache", "model_key", "read_sides", "capture_sides", "seed_compile_cache",
+                 "merge_graphs", "parse_cache", "model_key", "read_sides", "capture_sides", "keep_output_code",
                  "side_graph"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

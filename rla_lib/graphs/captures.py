@@ -22,9 +22,8 @@ from ..engine import Engine
 from ..engine_probes import compilation_info, probe_rotary_kernel
 from ..machine import compile_cache_environment, machine, machine_key
 from ..models import concurrent_processes, load_model, resolve_model, side_by_side
-from ..paths import PACKAGE_DIR
+from ..paths import PACKAGE_DIR, atomic_write
 from ..progress import bar
-from ..settings import setting
 from .aten import AtenTracer, default_ids, training_graph
 from .graph import BF16_DTYPES, GRAPHS_DIR, Graph, GraphParseError, Node, atomic_write_json
 from .inductor import parse_output_code, parse_pieces
@@ -38,8 +37,8 @@ _MATMUL_CALLS = ("onednn_mm", "extern_kernels.mm", "extern_kernels.addmm", "aten
 # ---- compile caches -------------------------------------------------------------------------------------
 def find_output_code(cache_dir) -> list[Path]:
     """Inductor output-code files under a compile cache (vLLM's VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, a
-    capture directory, or a directory you copied them into), in compile order: vLLM's piece index (its
-    `artifact_shape_*_subgraph_N` directories), else inductor's AOT ID."""
+    capture directory, or a directory you copied them into), in compile order: a capture's (`compile_N.py`), vLLM's
+    piece index (its `artifact_shape_*_subgraph_N` directories), else inductor's AOT ID."""
     cache_dir = Path(cache_dir)
     if not cache_dir.exists():
         raise GraphParseError(f"{cache_dir}: no such compile-cache directory")
@@ -50,7 +49,8 @@ def find_output_code(cache_dir) -> list[Path]:
         except OSError:
             continue
         if "async_compile" in head and re.search(r"^\s*def call\(", head, re.M):
-            m = re.search(r"subgraph_(\d+)", str(p.relative_to(cache_dir))) or re.search(r"# AOT ID: \['(\d+)_", head)
+            m = (re.search(r"(?:compile|subgraph)_(\d+)", str(p.relative_to(cache_dir)))
+                 or re.search(r"# AOT ID: \['(\d+)_", head))
             files.append((int(m.group(1)) if m else 10**6, p.stat().st_mtime, p))
     return [p for _, _, p in sorted(files)]
 
@@ -102,8 +102,21 @@ def merge_graphs(first: Graph, second: Graph, name=None) -> Graph:
 
 
 # ---- capturing an engine run (in a fresh process) -------------------------------------------------------
-def _capture_hf(model: str) -> dict:
-    """torch.compile of the Transformers model, run once: inductor writes its output code to the cache."""
+def keep_output_code(out: Path) -> None:
+    """From now on, the output code of every inductor compile of this process goes to `out` as compile_N.py, in compile
+    order, whether inductor generates it or finds it in its cache (the code is the same either way: the cache is keyed
+    by everything the code depends on). So a capture compiles in the engines' own cache: warm where an engine of that
+    model compiled before, and a cold compile warms it for the next engine."""
+    from torch._inductor.graph import GraphLowering
+
+    count = iter(range(10**6))
+    GraphLowering.save_output_code = staticmethod(
+        lambda code: atomic_write(out / f"compile_{next(count)}.py", lambda tmp: tmp.write_text(code)))
+
+
+def _capture_hf(model: str, out: Path) -> dict:
+    """torch.compile of the Transformers model, run once (its output code kept in `out`)."""
+    keep_output_code(out)
     compiled = torch.compile(load_model(model, dtype="bfloat16"))
     with torch.no_grad():
         compiled(input_ids=torch.tensor([default_ids()]))
@@ -112,15 +125,14 @@ def _capture_hf(model: str) -> dict:
 
 
 def _capture_vllm(model: str, mode: str, out: Path, meta: dict) -> dict:
-    """vLLM scores one prompt, traced (`trace_engine`); then samples, so the sampler's compiled op is cached too."""
+    """vLLM scores one prompt, traced (`trace_engine`), its compiled graph's output code kept in `out`; then samples,
+    so the sampler's compiled op is in the engines' cache too."""
+    if mode == "compiled":
+        keep_output_code(out)
     eng = Engine(model, mode=mode, seed=0, max_model_len=64)
     found = trace_engine(eng, mode, out, meta)
     eng.sample([default_ids()], max_tokens=2)  # compiles the sampler's logprob ranking (torch.compile'd in both modes)
     eng.close()
-    if setting(ENGINE_INDUCTOR_CACHE) is not None:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        seed_compile_cache(out / "inductor_cache", setting(ENGINE_INDUCTOR_CACHE) or default_cache_dir())
     return found
 
 
@@ -180,38 +192,12 @@ def _finish_capture(out: Path, meta: dict, make) -> None:
     atomic_write_json(out / "capture.json", meta)
 
 
-# The inductor cache the engines of the capturing process compile into (set by `_capture_env`; empty: inductor's
-# default). A capture compiles cold into a fresh cache of its own so that it writes the code read here; the same
-# compiles (the model's graph, vLLM's compiled sampler op) are then copied into the engines' cache, so the next engine
-# of that model starts warm.
-ENGINE_INDUCTOR_CACHE = "RLA_ENGINE_INDUCTOR_CACHE"
-
-
-def seed_compile_cache(source: Path, target) -> int:
-    """Copy the files of inductor cache `source` that `target` lacks into it; returns how many. Inductor's cache is
-    content-addressed (a file's name is the hash of what it holds), so an existing file is never replaced, and each
-    copy is atomic (a process compiling into `target` meanwhile reads a whole file or none). Lock files are skipped.
-    What a seeded engine start saves: `benchmarks/engine_start.py`."""
-    source, target, copied = Path(source), Path(target), 0
-    for path in source.rglob("*"):
-        relative = path.relative_to(source)
-        if not path.is_file() or relative.parts[0] == "locks" or (target / relative).exists():
-            continue
-        destination = target / relative
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        partial = destination.with_name(f".{destination.name}.{os.getpid()}.partial")
-        shutil.copy2(path, partial)
-        os.replace(partial, destination)
-        copied += 1
-    return copied
-
-
 def _capture_main(model: str, engine: str, mode: str, out_dir: str) -> None:
     """Run in a fresh process (`python -m rla_lib.graphs capture ...`): the environment is set before imports."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _finish_capture(out, {"model": model, "engine": engine, "mode": mode},
-                    lambda meta: _capture_hf(model) if engine == "hf" else _capture_vllm(model, mode, out, meta))
+                    lambda meta: _capture_hf(model, out) if engine == "hf" else _capture_vllm(model, mode, out, meta))
 
 
 def model_key(model) -> str:
@@ -238,21 +224,11 @@ def capture_dir(model, engine="vllm", mode="compiled") -> Path:
 def _capture_env(engine: str, mode: str, out: Path, extra: dict | None = None) -> dict:
     env = dict(os.environ) | compile_cache_environment() | (extra or {})  # a capped level's own caches
     env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
-    if engine != "vllm":
-        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"))
-        return env
-    env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if mode == "eager":
-        # Nothing compiled is read of an eager engine (its graph is the aten trace): it compiles only vLLM's sampler
-        # op, into the engines' own cache, warm when any engine ran before, and has nothing of its own to seed it with.
-        env.pop(ENGINE_INDUCTOR_CACHE, None)
-    else:
-        env[ENGINE_INDUCTOR_CACHE] = env.get("TORCHINDUCTOR_CACHE_DIR", "")
-        # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE): its output code
-        # goes to TORCHINDUCTOR_CACHE_DIR. With VLLM_COMPILE (GPU) vLLM's backend puts it under VLLM_CACHE_ROOT.
-        # Fresh directories make the compile cold, so the code is (re)generated here.
-        env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor_cache"), VLLM_USE_AOT_COMPILE="0")
+    if engine == "vllm":
+        # On CPU vLLM compiles with plain torch.compile(backend="inductor") (DYNAMO_TRACE_ONCE) into the engines'
+        # inductor cache, where `keep_output_code` reads it; vLLM's own cache is the capture's, so vLLM compiles.
+        env.update(VLLM_CACHE_ROOT=str(out / "vllm_cache"), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_AOT_COMPILE="0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 
 
@@ -261,13 +237,12 @@ def capture(model="qwen3-tiny", mode="compiled", engine="vllm", out_dir=None, fo
     """Run the engine once in a subprocess with a known compile cache; returns the capture directory.
 
     engine="vllm": real vLLM (mode "compiled" or "eager"), in-process engine core, VLLM_CACHE_ROOT=<dir>/vllm_cache;
-    compiled mode with TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache, VLLM_USE_AOT_COMPILE=0 (fresh, so the compile is
-    cold and writes its output code there), and also traces the logits processor (which vLLM runs eagerly, outside
-    the compiled graph); eager mode traces the whole forward at the aten level (its sampler op compiles warm, in the
-    engines' own cache).
-    engine="hf": torch.compile of the Transformers model (mode "compiled"), TORCHINDUCTOR_CACHE_DIR=<dir>/inductor_cache.
-    A finished capture (capture.json present) is reused unless force=True. `env`: more environment variables for
-    the subprocess. A vLLM capture then seeds this process's engine compile cache (`seed_compile_cache`).
+    compiled mode keeps its graph's output code (`keep_output_code`: <dir>/compile_N.py) and also traces the logits
+    processor (which vLLM runs eagerly, outside the compiled graph); eager mode traces the whole forward at the aten
+    level. engine="hf": torch.compile of the Transformers model (mode "compiled"), its output code kept the same way.
+    Both compile in the engines' inductor cache (warm if an engine of the model compiled before; a cold compile warms
+    it for the next engine). A finished capture (capture.json present) is reused unless force=True. `env`: more
+    environment variables for the subprocess.
     """
     if engine == "vllm" and mode not in ("compiled", "eager"):
         raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
