@@ -64,25 +64,22 @@ def mean_entropy(logits: torch.Tensor) -> float:
     return float(-(logp.exp() * logp).sum(-1).mean())
 
 
-def calibrate_final_norm(model, probe_ids: torch.Tensor, target: float = TARGET_ENTROPY, steps: int = 40) -> float:
+def calibrate_final_norm(model, probe_ids: torch.Tensor, target: float = TARGET_ENTROPY, steps: int = 24) -> float:
     """Set the final norm's weight to the constant giving `target` nats of mean next-token entropy on the probe
-    batch (bisection on a log scale: the entropy falls as the logits grow). Returns the constant."""
+    batch (bisection on a log scale: the entropy falls as the logits grow). Returns the constant.
+    The logits are linear in that constant (the LM head has no bias), so they are computed once; 24 halvings of
+    [1e-3, 1e4] on a log scale leave it within 1e-6 of its value, far inside the BF16 the weight is saved in."""
     norm = model.model.norm
     seen = []
     hook = norm.register_forward_hook(lambda module, args, output: seen.append(args[0]))  # the final norm's input
     with torch.no_grad():
         model.model(input_ids=probe_ids)
         hook.remove()
-        hidden = seen[0]
-        normalized = norm(hidden) / norm.weight  # the normalised value; the scale is applied below
-
-        def entropy(scale: float) -> float:
-            return mean_entropy(model.lm_head((normalized * scale).to(hidden.dtype)))
-
+        logits = model.lm_head(norm(seen[0]) / norm.weight)  # at weight 1
         low, high = 1e-3, 1e4
         for _ in range(steps):
             mid = (low * high) ** 0.5
-            low, high = (mid, high) if entropy(mid) > target else (low, mid)
+            low, high = (mid, high) if mean_entropy(logits * mid) > target else (low, mid)
         scale = (low * high) ** 0.5
         norm.weight.fill_(scale)
     return scale
