@@ -48,7 +48,7 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
     """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
     sampling = dict(n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens, seed=seed, progress=progress)
-    # Three engine starts, not four: the compiled capture first (its cold compile seeds the engines' cache, so the
+    # Three engine starts, not four: the compiled capture first (it compiles in the engines' cache, so the
     # measurement's compiled engine starts warm), then the engines' samples and scores (cached), the fresh eager engine
     # also making the eager capture; the training sides follow, once the schedules are read from the captures.
     graphs.capture_sides([model], (sides.engine("compiled"),))
