@@ -4,6 +4,7 @@
                                                               # the core-hours of the largest plan per stage-0 candidate
     .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
     .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
+    .venv/bin/python experiments/collapse_study.py --tables --close   # once the study ends: every test, missing named
     .venv/bin/python experiments/collapse_study.py --stage calibration   # only that stage's runs (one core on it)
     .venv/bin/python experiments/collapse_study.py --assume-regime TAG   # while stage 0 runs: the edge search and
                                                               # calibration of candidate TAG ahead, kept only if R = TAG
@@ -360,36 +361,49 @@ def calibration_table(runs: list[Run]) -> pd.DataFrame:
     return table.sort_values("dose", ignore_index=True)
 
 
-def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str) -> dict:
+QUESTIONS = {"q1": ("Q1 (dose)", "H1, H2"), "q2": ("Q2 (edge)", "H3-H5"), "q3": ("Q3 (long horizon)", "H6")}
+
+
+def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str, closed: bool = False) -> dict:
     """tables/06_study_plan.csv always; the edge search's and the calibration's; each question's table once its runs
     have started; the family of tests and the verdicts in the plan's provenance. Every row is pre-registered (this
-    script runs nothing else)."""
-    q1 = q2 = q3 = None
+    script runs nothing else).
+    A question's registered test runs once every run planned for it has finished (a look at part of its runs is one
+    the registration did not plan); until then its table counts the runs so far and its verdict says what it waits
+    for. `closed`: the study has ended; each test runs over the runs that finished, the rest named as missing."""
+    analyses = dict.fromkeys(QUESTIONS)
     edge, edge_found = edge_table(runs)
     save_table(edge.assign(preregistered=True), "06_study_edge", params=dict(regime=note, found=edge_found))
     save_table(calibration_table(runs).assign(preregistered=True), "06_study_calibration",
                params=dict(regime=note, paper_like_dose=PAPER_LIKE_DOSE))
-    tables = {}
-    for stage in ("q1", "q2", "q3"):
+    waiting = {}
+    for stage, (question, tests) in QUESTIONS.items():
         done, missing = outcomes_of(runs, stage)
         if done.empty:
             continue
-        if stage == "q1":
-            q1 = confirmatory.dose_curve(done)
-            tables["06_study_q1"] = (q1["rungs"], missing)
+        if missing and not closed:
+            table = {"q1": lambda: confirmatory.rung_table(done),
+                     "q2": lambda: confirmatory.collapse_counts(done, ["arm", "lr"]),
+                     "q3": lambda: confirmatory.long_horizon(done)["arms"].reset_index()}[stage]()
+            waiting[stage] = (f"{question}: {len(done)} of its {len(done) + len(missing)} planned runs finished; its "
+                              f"registered test ({tests}) waits for the rest")
+        elif stage == "q1":
+            analyses[stage] = confirmatory.dose_curve(done)
+            table = analyses[stage]["rungs"]
         elif stage == "q2":
             margin = reg["questions"]["Q2_edge"]["equivalence_margin"]["log_step_size"]
-            q2 = confirmatory.edge_shift(done, margin)
-            tables["06_study_q2"] = (q2["arms"], missing)
+            analyses[stage] = confirmatory.edge_shift(done, margin)
+            table = analyses[stage]["arms"]
         else:
-            q3 = confirmatory.long_horizon(done)
-            tables["06_study_q3"] = (q3["arms"].reset_index(), missing)
-    for name, (table, missing) in tables.items():
-        save_table(table.assign(preregistered=True), name, params=dict(missing=missing))
-    family = confirmatory.holm_family(q1, q2, q3)
-    verdicts = [confirmatory.q1_verdict(q1, family), confirmatory.q2_verdict(q2, family),
-                confirmatory.q3_verdict(q3, family)]
-    save_table(status(runs), "06_study_plan", params=dict(regime=note, waits=waits, tests=family, verdicts=verdicts))
+            analyses[stage] = confirmatory.long_horizon(done)
+            table = analyses[stage]["arms"].reset_index()
+        save_table(table.assign(preregistered=True), f"06_study_{stage}",
+                   params=dict(missing=missing, test_run=stage not in waiting))
+    family = confirmatory.holm_family(*analyses.values())
+    verdicts = [waiting.get(stage) or verdict(analyses[stage], family) for stage, verdict in
+                zip(QUESTIONS, (confirmatory.q1_verdict, confirmatory.q2_verdict, confirmatory.q3_verdict))]
+    save_table(status(runs), "06_study_plan", params=dict(regime=note, waits=waits, tests=family, verdicts=verdicts,
+                                                          closed=closed))
     return dict(regime=note, waits=waits, verdicts=verdicts)
 
 
@@ -397,6 +411,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print each stage's planned and finished runs, and waits")
     parser.add_argument("--tables", action="store_true", help="write tables/06_study_*.csv from the finished runs")
+    parser.add_argument("--close", action="store_true",
+                        help="with --tables, once the study has ended: run each question's registered test over the "
+                             "runs that finished, naming the rest missing (without it a test waits for all its runs)")
     parser.add_argument("--stage", action="append", choices=list(STAGE_ORDER),
                         help="run only this stage's runs (repeat for several)")
     parser.add_argument("--assume-regime", metavar="TAG",
@@ -406,6 +423,8 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     args = parser.parse_args()
     reg = preregistration()
     histories, stage0_table, _ = sweep.stage0_so_far(reg)
+    if args.close and not args.tables:
+        parser.error("--close goes with --tables")
     if args.assume_regime and args.tables:
         raise SystemExit("--tables reads stage 0's choice: start it without --assume-regime")
     r, note, speculative = assumed_regime(reg, stage0_table, args.assume_regime)
@@ -429,7 +448,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         if args.tables:
             if not cost.empty:
                 save_table(cost, "06_study_cost", params=dict(steps_at_most=steps_at_most().to_dict("records")))
-            print(write_tables(reg, runs, waits, note))
+            print(write_tables(reg, runs, waits, note, closed=args.close))
         raise SystemExit(0)
     if r is None:
         raise SystemExit(f"nothing to run: {note}")

@@ -144,8 +144,9 @@ def test_run_ids_are_unique_and_settings_are_the_regimes(study):
 
 
 def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path, monkeypatch):
-    """Q3 with default BF16 rising then collapsing in all 3 seeds and the on-policy arm in none of 2 (one missing):
-    the table marks its rows pre-registered and names the missing run; three seeds cannot pass Holm, so no cause."""
+    """Q3 with default BF16 rising then collapsing in all 3 seeds and the on-policy arm in none of 2, the study closed
+    with the third missing: the table marks its rows pre-registered and names the missing run; three seeds cannot pass
+    Holm, so no cause."""
     from rla_lib import report
 
     monkeypatch.setattr(study, "OUT", tmp_path / "runs")
@@ -159,7 +160,7 @@ def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path,
         folder = tmp_path / "runs" / run.run_id
         folder.mkdir(parents=True)
         history(500, FALLS if run.arm == "default BF16" else RISES).to_csv(folder / "history.csv", index=False)
-    out = study.write_tables(reg, runs, waits, "regime R: t")
+    out = study.write_tables(reg, runs, waits, "regime R: t", closed=True)
     q3, meta = report.load_table("06_study_q3")
     assert q3.set_index("arm")["rises_then_collapses"].to_dict() == {"default BF16": 3, "engine schedule": 0}
     assert q3["preregistered"].all() and meta["params"]["missing"] == [r.run_id for r in of(runs, "q3")
@@ -167,6 +168,37 @@ def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path,
     assert out["verdicts"][0] == "Q1 (dose): not run" and out["verdicts"][2].startswith("Q3 (long horizon): cannot tell")
     plan, meta = report.load_table("06_study_plan")
     assert plan.set_index("stage").loc["q3", "finished"] == 5 and meta["params"]["waits"] == waits
+
+
+def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes(study, tmp_path, monkeypatch):
+    """Q1 with the seed-0 run of its first two rungs finished, one collapsed: its table counts them (no test), its
+    verdict says what it waits for and H1 and H2 have no p in the family; closed, the same runs get the test."""
+    from rla_lib import report
+
+    monkeypatch.setattr(study, "OUT", tmp_path / "runs")
+    monkeypatch.setattr(study.sweep, "SHIPPED_RUNS", tmp_path / "kept")
+    monkeypatch.setattr(report, "TABLES_DIR", tmp_path / "tables")
+    reg = preregistration()
+    finished = Finished()
+    runs, _ = study.plan(reg, R, finished)
+    finished.finish(of(runs, "calibration"), lambda run: history(1, [0.07, 0.07], dose=DOSES[run.rung]))
+    runs, waits = study.plan(reg, R, finished)
+    first = [run for run in of(runs, "q1") if run.seed == 0 and not run.tis][:2]
+    for run, accuracies in zip(first, (RISES, FALLS)):
+        (tmp_path / "runs" / run.run_id).mkdir(parents=True)
+        history(150, accuracies, dose=DOSES[run.rung]).to_csv(tmp_path / "runs" / run.run_id / "history.csv", index=False)
+    planned = len(of(runs, "q1"))
+    out = study.write_tables(reg, runs, waits, "regime R: t")
+    assert out["verdicts"][0] == (f"Q1 (dose): 2 of its {planned} planned runs finished; its registered test (H1, H2) "
+                                  "waits for the rest")
+    table, meta = report.load_table("06_study_q1")
+    assert table["collapses"].tolist() == [0, 1] and table["seeds"].tolist() == [1, 1] and not meta["params"]["test_run"]
+    assert len(meta["params"]["missing"]) == planned - 2
+    tests = report.load_table("06_study_plan")[1]["params"]["tests"]
+    assert tests["H1"]["p"] is None and tests["H2"]["p"] is None
+    closed = study.write_tables(reg, runs, waits, "regime R: t", closed=True)
+    assert closed["verdicts"][0].startswith("Q1 (dose): cannot tell") and report.load_table("06_study_q1")[1]["params"]["test_run"]
+    assert report.load_table("06_study_plan")[1]["params"]["tests"]["H1"]["p"] is not None
 
 
 def test_every_planned_run_makes_a_valid_grpo_config(study):

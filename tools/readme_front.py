@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from rla_lib.machine import ISA_LEVELS
 from rla_lib.report import load_table, md_table, pct_ci, source
 from rla_lib.studies import collapse, spread
@@ -104,6 +106,16 @@ def kept_note(table, key: str, name=lambda k: k) -> str:
                    f"{'; '.join(name(k) for k in rows[key])}." for src, rows in kept.groupby("source"))
 
 
+def study_plan() -> tuple["pd.DataFrame", dict]:
+    """The registered study's runs per stage (planned, finished) and its verdicts (experiments/collapse_study.py
+    --tables); empty before its first tables."""
+    try:
+        plan, meta = load_table("06_study_plan")
+    except FileNotFoundError:
+        return pd.DataFrame(columns=["planned", "finished"]), {}
+    return plan.set_index("stage"), meta
+
+
 def block_front_study() -> str:
     """The collapse study as registered (data/grpo_study/preregistration.json): stage 0 per candidate from its table
     (candidates without a finished run shown as such), each question with its tests and whether it has run, and one
@@ -124,11 +136,14 @@ def block_front_study() -> str:
     stage0 = md_table(["stage 0 candidate (FP32 control)", "seeds run", "learned", "collapsed", "mean gain", "learns"], rows)
     decision = meta["params"]["decision"]
     regime = decision.get("regime")
+    plan, plan_meta = study_plan()
     questions = md_table(["question", "registered tests", "runs"], [
         [q["question"], ", ".join(q["tests"]),
          "waiting for stage 0's regime" if decision["decision"] == "incomplete" else
-         "none: stage 0 found no regime that learns" if regime is None else "not run yet"]
-        for q in reg["questions"].values()])
+         "none: stage 0 found no regime that learns" if regime is None else
+         f"{plan.loc[stage, 'finished']} of {plan.loc[stage, 'planned']} planned finished" if stage in plan.index else
+         "none planned yet"]
+        for stage, q in zip(("q1", "q2", "q3"), reg["questions"].values())])
     total = seeds * len(rows)
     names = {tag: _candidate(tag, cand, lr) for tag, cand, lr in collapse.stage0_runs(reg)}
     if decision["decision"] == "incomplete":
@@ -138,9 +153,11 @@ def block_front_study() -> str:
         answer = ("Cannot tell: no stage-0 candidate learned by the registered rule, so the study stops there and asks "
                   "no confirmatory question of a regime that does not learn.")
     else:
+        tests = plan_meta.get("params", {}).get("tests", {})
+        ran = any(t.get("p") is not None for t in tests.values())
         answer = (f"Stage 0 chose regime R: {names.get(regime, regime)}, the largest mean gain of the candidates that "
-                  "learn. Cannot tell yet whether the mismatch causes collapse here: none of the registered questions "
-                  "has run.")
+                  "learn. " + ("" if ran else "Cannot tell yet whether the mismatch causes collapse here: no registered "
+                               "test has run. ") + " ".join(f"{v}." for v in plan_meta.get("params", {}).get("verdicts", [])))
     kept = kept_note(table, "sweep", names.get)
     return "\n\n".join([stage0, questions, answer + kept + " The earlier, unplanned sweeps and their verdicts: "
                          "docs/results.md. " + source("06_stage0", meta)])

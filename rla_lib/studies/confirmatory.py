@@ -141,6 +141,26 @@ def _percentile_ci(values, level: float = 0.95) -> tuple[float, float]:
             float(np.quantile(values, 1 - tail, method="inverted_cdf")))
 
 
+def collapse_counts(runs: pd.DataFrame, by: list[str], outcome: str = "collapsed") -> pd.DataFrame:
+    """Per group of `by`: its runs (`seeds`), how many had `outcome` with the exact 95% interval of that rate, and the
+    mean final held-out accuracy. Counts, no test: what a question's runs show before its registered test runs."""
+    rows = []
+    for key, g in runs.groupby(by, sort=False):
+        k = int(g[outcome].sum())
+        low, high = clopper_pearson(k, len(g))
+        rows.append(dict(zip(by, key if isinstance(key, tuple) else (key,)), seeds=len(g), **{outcome: k},
+                         rate=k / len(g), ci_low=low, ci_high=high, last=float(g["last"].mean())))
+    return pd.DataFrame(rows)
+
+
+def rung_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Q1 per TIS arm and rung: seeds, the median dose, collapses with their exact interval, mean final accuracy."""
+    table = collapse_counts(runs.assign(tis=runs["tis"].astype(bool)), ["tis", "rung"])
+    dose = runs.assign(tis=runs["tis"].astype(bool)).groupby(["tis", "rung"], sort=False)["dose"].median()
+    table.insert(3, "dose", [float(dose[(t, r)]) for t, r in zip(table["tis"], table["rung"])])
+    return table.rename(columns={"collapsed": "collapses"})
+
+
 def dose_curve(runs: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> dict:
     """Q1 from one row per run: `rung` (a ladder step's label; default BF16's runs are the natural rung), `tis`,
     `seed`, `dose` (nats per response at the first step, `dose_response.DOSE`), `collapsed`, `last`.
@@ -150,12 +170,6 @@ def dose_curve(runs: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> dict:
     with dose, without TIS), `H2` (the bootstrap p of log10 D50 with TIS minus without, one-sided up) and `natural`
     (default BF16's dose over D50 without TIS, with its bootstrap interval)."""
     gen = np.random.default_rng(seed)
-    rung_rows = []
-    for (tis, rung), g in runs.groupby(["tis", "rung"], sort=False):
-        low, high = clopper_pearson(int(g["collapsed"].sum()), len(g))
-        rung_rows.append(dict(tis=bool(tis), rung=rung, seeds=len(g), dose=float(g["dose"].median()),
-                              collapses=int(g["collapsed"].sum()), rate=float(g["collapsed"].mean()), ci_low=low,
-                              ci_high=high, last=float(g["last"].mean())))
     arms = {bool(t): g for t, g in runs.groupby("tis")}
     fits, boot, natural_boot = [], {}, []
     for tis, g in arms.items():
@@ -169,7 +183,7 @@ def dose_curve(runs: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> dict:
         boot[tis] = np.array(boot[tis])
         low, high = _percentile_ci(boot[tis])
         fits.append(dict(tis=tis, runs=len(g), rungs=g["rung"].nunique(), slope=b1, d50=d50, d50_low=low, d50_high=high))
-    out = dict(rungs=pd.DataFrame(rung_rows), fits=pd.DataFrame(fits), H1=None, H2=None, natural=None)
+    out = dict(rungs=rung_table(runs), fits=pd.DataFrame(fits), H1=None, H2=None, natural=None)
     if False in arms:
         g = arms[False]
         dose = g.groupby("rung")["dose"].transform("median").to_numpy(dtype=float)
