@@ -451,11 +451,30 @@ def test_the_front_pages_study_sentence_names_no_cause_before_a_registered_test(
     from tools import readme_front
 
     table, meta = report.load_table("06_stage0")
-    monkeypatch.setattr(readme_front, "load_table", lambda name: (table, meta | {"params": {"decision": decision}}))
+    monkeypatch.setattr(readme_front, "load_table", lambda name: (table, meta | {"params": {"decision": decision}})
+                        if name == "06_stage0" else report.load_table(name))
     block = readme_front.block_front_study()
     sentence = block.split("\n\n")[2]
     assert sentence.startswith(start) and "cannot tell" in sentence.lower()
     assert not re.search(r"\b(causes|caused by|because of|step size, not)\b", sentence.replace("whether the mismatch causes", ""))
+
+
+def test_the_front_page_gives_each_begun_question_its_runs_and_its_verdict(monkeypatch):
+    """From the study's plan table: a question's runs finished of planned, one not planned yet as such; the verdict of
+    a question whose runs have begun (its test waiting) follows "cannot tell", that of one not begun does not."""
+    import pandas as pd
+
+    from tools import readme_front
+
+    plan = pd.DataFrame(dict(stage=["edge", "q1", "q3"], planned=[6, 56, 6], finished=[6, 2, 0], left=[0, 54, 6]))
+    waiting = "Q1 (dose): 2 of its 56 planned runs finished; its registered test (H1, H2) waits for the rest"
+    meta = {"params": {"tests": {"H1": {"p": None}}, "verdicts": [waiting, "Q2 (edge): not run", "Q3 (long horizon): not run"]}}
+    monkeypatch.setattr(readme_front, "load_table", lambda name: (plan, meta) if name == "06_study_plan" else report.load_table(name))
+    block = readme_front.block_front_study()
+    questions, sentence = block.split("\n\n")[1], block.split("\n\n")[2]
+    assert [line.rsplit("|", 2)[-2].strip() for line in questions.splitlines()[2:]] == [
+        "2 of 56 planned finished", "none planned yet", "0 of 6 planned finished"]
+    assert "no registered test has run. " + waiting + "." in sentence and "not run" not in sentence
 
 
 def test_a_stage0_candidate_with_no_finished_seed_shows_no_numbers(monkeypatch):
@@ -468,7 +487,7 @@ def test_a_stage0_candidate_with_no_finished_seed_shows_no_numbers(monkeypatch):
     table, meta = report.load_table("06_stage0")
     started = table.iloc[:1].assign(seeds_done=0, learned=0, collapsed=0, mean_gain=float("nan"), complete=False, learns=False)
     rows = pd.concat([started, table.iloc[1:]], ignore_index=True)
-    monkeypatch.setattr(readme_front, "load_table", lambda name: (rows, meta))
+    monkeypatch.setattr(readme_front, "load_table", lambda name: (rows, meta) if name == "06_stage0" else report.load_table(name))
     block = readme_front.block_front_study()
     first = block.splitlines()[2]
     assert "| 0 of 3 | - | - | - |" in first and "nan" not in block.lower() and "0 of 0" not in block

@@ -157,7 +157,9 @@ def block_front_study() -> str:
         ran = any(t.get("p") is not None for t in tests.values())
         answer = (f"Stage 0 chose regime R: {names.get(regime, regime)}, the largest mean gain of the candidates that "
                   "learn. " + ("" if ran else "Cannot tell yet whether the mismatch causes collapse here: no registered "
-                               "test has run. ") + " ".join(f"{v}." for v in plan_meta.get("params", {}).get("verdicts", [])))
+                               "test has run. ") +
+                  " ".join(f"{verdict}." for stage, verdict in zip(("q1", "q2", "q3"), plan_meta.get("params", {}).get(
+                      "verdicts", [])) if stage in plan.index and plan.loc[stage, "finished"] > 0)).rstrip()  # begun
     kept = kept_note(table, "sweep", names.get)
     return "\n\n".join([stage0, questions, answer + kept + " The earlier, unplanned sweeps and their verdicts: "
                          "docs/results.md. " + source("06_stage0", meta)])
