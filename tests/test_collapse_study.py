@@ -196,6 +196,8 @@ def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes
     assert len(meta["params"]["missing"]) == planned - 2
     tests = report.load_table("06_study_plan")[1]["params"]["tests"]
     assert tests["H1"]["p"] is None and tests["H2"]["p"] is None
+    dose_curve = study.confirmatory.dose_curve  # the registered 2000 bootstrap refits take half a minute here
+    monkeypatch.setattr(study.confirmatory, "dose_curve", lambda runs: dose_curve(runs, n_boot=50))
     closed = study.write_tables(reg, runs, waits, "regime R: t", closed=True)
     assert closed["verdicts"][0].startswith("Q1 (dose): cannot tell") and report.load_table("06_study_q1")[1]["params"]["test_run"]
     assert report.load_table("06_study_plan")[1]["params"]["tests"]["H1"]["p"] is not None
