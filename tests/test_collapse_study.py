@@ -174,6 +174,7 @@ def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes
     """Q1 with the seed-0 run of its first two rungs finished, one collapsed: its table counts them (no test), its
     verdict says what it waits for and H1 and H2 have no p in the family; closed, the same runs get the test."""
     from rla_lib import report
+    from tools import readme
 
     monkeypatch.setattr(study, "OUT", tmp_path / "runs")
     monkeypatch.setattr(study.sweep, "SHIPPED_RUNS", tmp_path / "kept")
@@ -196,6 +197,9 @@ def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes
     assert len(meta["params"]["missing"]) == planned - 2
     tests = report.load_table("06_study_plan")[1]["params"]["tests"]
     assert tests["H1"]["p"] is None and tests["H2"]["p"] is None
+    page = readme.block_study_progress()  # the results page counts them, and says the test waits
+    assert f"Q1's runs so far: 2 finished, {planned - 2} planned still to run; counts only" in page
+    assert "| default BF16, logit noise 0.1 | no | 1 | 0.05 | 1 of 1 [" in page
     dose_curve = study.confirmatory.dose_curve  # the registered 2000 bootstrap refits take half a minute here
     monkeypatch.setattr(study.confirmatory, "dose_curve", lambda runs: dose_curve(runs, n_boot=50))
     closed = study.write_tables(reg, runs, waits, "regime R: t", closed=True)

@@ -541,7 +541,25 @@ def block_study_progress() -> str:
             said += f"The natural BF16 mismatch is {natural.iloc[0]:.2g} of the paper-like dose."
         parts += [said, md_table(["rung", "dose (nats per response)", "x natural BF16", "x paper-like", "in Q1"], rows),
                   source("06_study_calibration", calibration_meta)]
-    return "\n\n".join(part for part in parts if part)
+    return "\n\n".join(part for part in parts + q1_so_far() if part)
+
+
+def q1_so_far() -> list[str]:
+    """Q1's finished runs per rung and TIS arm (tables/06_study_q1.csv): counts with exact intervals, and whether its
+    registered test has run (it waits for every planned run); nothing before its first run."""
+    try:
+        q1, meta = load_table("06_study_q1")
+    except FileNotFoundError:
+        return []
+    params = meta.get("params", {})
+    rows = [[r["rung"], "yes" if r["tis"] else "no", int(r["seeds"]), f"{r['dose']:.3g}",
+             f"{int(r['collapses'])} of {int(r['seeds'])} [{r['ci_low']:.0%}, {r['ci_high']:.0%}]", f"{r['last']:.3f}"]
+            for _, r in q1.iterrows()]
+    said = (f"Q1's runs so far: {int(q1['seeds'].sum())} finished, {len(params.get('missing', []))} planned still to "
+            "run; " + ("its registered test has run (the verdicts: the front page)." if params.get("test_run") else
+                       "counts only: its registered test waits for every planned run."))
+    return [said, md_table(["rung", "TIS", "seeds", "dose (nats per response)", "collapsed [exact 95% CI]",
+                            "held-out accuracy, last (mean)"], rows), source("06_study_q1", meta)]
 
 
 def block_collapse() -> str:
