@@ -155,8 +155,9 @@ def collapse_counts(runs: pd.DataFrame, by: list[str], outcome: str = "collapsed
 
 def rung_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Q1 per TIS arm and rung: seeds, the median dose, collapses with their exact interval, mean final accuracy."""
-    table = collapse_counts(runs.assign(tis=runs["tis"].astype(bool)), ["tis", "rung"])
-    dose = runs.assign(tis=runs["tis"].astype(bool)).groupby(["tis", "rung"], sort=False)["dose"].median()
+    runs = runs.assign(tis=runs["tis"].astype(bool))
+    table = collapse_counts(runs, ["tis", "rung"])
+    dose = runs.groupby(["tis", "rung"], sort=False)["dose"].median()
     table.insert(3, "dose", [float(dose[(t, r)]) for t, r in zip(table["tis"], table["rung"])])
     return table.rename(columns={"collapsed": "collapses"})
 
