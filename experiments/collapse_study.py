@@ -18,6 +18,7 @@ The stages, in the registration's order; a stage plans its runs only from finish
 3. Q1 (dose): the rungs in order of dose from default BF16 to the first past the paper-like 8.4 nats per response,
    without and with TIS, seeds 0-3 at lr_R for 150 steps; a rung above one whose every seed collapsed is not run;
    then seeds 4-7 at the two rungs that bracket the transition (the last with collapse rate <= 0.25, the first >= 0.75).
+   Workers take seed 0 of every rung first, then seeds 1-3 rung by rung up the ladder (`order_for_workers`).
 4. Q2 (edge): default BF16, the engine schedule, the FP32 control and RoPE-only at lr_edge x {0.67, 1, 1.5}, seeds
    0-7, 100 steps.
 5. Q3 (long): default BF16 and the engine schedule, seeds 0-2, 500 steps at lr_R.
@@ -179,6 +180,7 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
     calibration = [Run("calibration", name, r["lr"], 0, 1, s, rung=name, regime=r) for name, s in rungs.items()]
     runs += calibration
     doses = {run.rung: finished(run) for run in calibration}
+    order = []  # the rungs Q1 runs, in order of dose, once calibrated
     if any(h is None for h in doses.values()):
         waits.append("Q1 waits for the calibration of every rung")
     else:
@@ -210,16 +212,27 @@ def plan(reg: dict, r: dict | None, finished) -> tuple[list[Run], list[str]]:
                  for s in Q2_SEEDS for f in Q2_FACTORS for arm in Q2_ARMS]
     runs += [Run("q3", arm, r["lr"], s, Q3_STEPS, CONFIGURATIONS.get(arm, {}), regime=r)
              for s in Q3_SEEDS for arm in Q3_ARMS]
-    return order_for_workers(runs), waits
+    return order_for_workers(runs, order), waits
 
 
 STAGE_ORDER = {"edge": 0, "calibration": 1, "q1": 2, "q3": 3, "q2": 4}
 
 
-def order_for_workers(runs: list[Run]) -> list[Run]:
+def order_for_workers(runs: list[Run], rungs: list[str]) -> list[Run]:
     """The edge search and calibration first (later stages wait for them), then Q1 without TIS (the positive
-    control), Q1 with TIS, Q3, Q2; within each, whole seeds first."""
-    return sorted(runs, key=lambda run: (STAGE_ORDER[run.stage], run.tis, run.seed))
+    control), Q1 with TIS, Q3, Q2; within each, whole seeds first. Except in Q1 after seed 0 (a first look along the
+    whole ladder): its seeds 1-3 go rung by rung up the ladder (`rungs`, in order of dose), so a rung whose every seed
+    collapses is complete before the rungs above it start, and those are then never run. The order changes what the
+    study costs, not what it finds: the plan drops a finished run above such a rung all the same."""
+    rank = {name: i for i, name in enumerate(rungs)}
+
+    def key(run):
+        if run.stage != "q1":
+            return STAGE_ORDER[run.stage], run.tis, 0, run.seed, 0
+        if run.seed in Q1_SEEDS[1:]:
+            return STAGE_ORDER[run.stage], run.tis, 1, rank[run.rung], run.seed
+        return STAGE_ORDER[run.stage], run.tis, 0 if run.seed == 0 else 2, run.seed, rank[run.rung]
+    return sorted(runs, key=key)
 
 
 def steps_at_most() -> pd.DataFrame:

@@ -349,3 +349,28 @@ def test_the_edge_search_and_calibration_tables_say_what_their_runs_found(study,
     page = readme.block_study_progress()
     assert "lr_edge = 0.000225" in page and "Q1 runs 8 of the 11 rungs, up to “default BF16, logit noise 2” (9 nats" in page
     assert "The natural BF16 mismatch is 0.00012 of the paper-like dose." in page
+
+
+
+def test_workers_look_along_the_ladder_then_finish_it_rung_by_rung(study):
+    """Seed 0 of every rung first, then seeds 1-3 a rung at a time in order of dose: when a rung's every seed
+    collapses, seeds 1-3 of the rungs above it have not begun, and the plan then drops them."""
+    reg, done = calibrated(study)
+    runs, _ = study.plan(reg, R, done)
+    order = sorted((name for name in DOSES if DOSES[name] <= 9.0), key=lambda n: (n != "default BF16", DOSES[n]))
+    plain = [(run.rung, run.seed) for run in of(runs, "q1") if not run.tis]
+    assert plain == [(name, 0) for name in order] + [(name, s) for name in order for s in (1, 2, 3)]
+    assert [run.tis for run in of(runs, "q1")] == sorted(run.tis for run in of(runs, "q1"))  # TIS after
+    third = order[2]  # collapses in every seed; nothing else does
+    taken = []
+    while True:  # a worker takes the first run of the plan not finished, until seeds 0-3 without TIS have none left
+        runs, _ = study.plan(reg, R, done)
+        left = [run for run in of(runs, "q1") if not run.tis and run.seed < 4 and done(run) is None]
+        if not left:
+            break
+        taken.append((left[0].rung, left[0].seed))
+        done.finish(left[:1], lambda run: history(150, FALLS if run.rung == third else RISES))
+    assert taken == [(name, 0) for name in order] + [(name, s) for name in order[:3] for s in (1, 2, 3)]
+    assert len(taken) < 3 * len(order) + 3  # whole seeds first: seeds 0-2 of every rung, then seed 3 of the first 3
+    assert {(run.rung, run.seed) for run in of(runs, "q1") if not run.tis and run.seed >= 4} == {
+        (name, s) for name in order[1:3] for s in (4, 5, 6, 7)}  # and the bracket's seeds follow
