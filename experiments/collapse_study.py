@@ -309,13 +309,39 @@ def read_finished(run: Run) -> pd.DataFrame | None:
     return history
 
 
+STEP_TIMES = ["t_rollout", "t_score", "t_update", "t_sync"]
+
+
+def ran_on(runs: list[Run]) -> list[str]:
+    """The CPUs the finished runs ran on (each start's, from its machine.json): what their core-hours are measured on."""
+    cpus = set()
+    for run in (run for run in runs if read_finished(run) is not None):
+        for folder in (OUT / run.run_id, shipped_history(run.run_id, sweep.SHIPPED_RUNS).parent):
+            if (folder / "machine.json").exists():
+                cpus |= {f"{m['machine']['cpu']} ({m['machine']['cpu_generation']})"
+                         for m in json.loads((folder / "machine.json").read_text())}
+                break
+    return sorted(cpus)
+
+
 def status(runs: list[Run]) -> pd.DataFrame:
-    """Per stage: runs planned now, finished, and left."""
-    rows = [dict(stage=run.stage, finished=read_finished(run) is not None) for run in runs]
+    """Per stage: runs planned now, finished and left; the core-hours its finished runs took (training steps, one run
+    per core; evaluations not counted), and those its runs left would take at the median step of its finished ones
+    (none finished: not known)."""
+    rows = []
+    for run in runs:
+        h = read_finished(run)
+        step_seconds = None if h is None else h.loc[h["step"] >= 1, STEP_TIMES].sum(axis=1)
+        rows.append(dict(stage=run.stage, finished=h is not None, steps_left=0 if h is not None else run.steps,
+                         core_hours=0.0 if h is None else step_seconds.sum() / 3600,
+                         step_s=np.nan if h is None else step_seconds.median()))
     if not rows:
-        return pd.DataFrame(columns=["stage", "planned", "finished", "left"])
-    t = pd.DataFrame(rows).groupby("stage", sort=False)["finished"].agg(planned="size", finished="sum").reset_index()
-    return t.assign(left=t["planned"] - t["finished"])
+        return pd.DataFrame(columns=["stage", "planned", "finished", "left", "core_hours_spent", "core_hours_left"])
+    t = pd.DataFrame(rows).groupby("stage", sort=False).agg(
+        planned=("finished", "size"), finished=("finished", "sum"), core_hours_spent=("core_hours", "sum"),
+        steps_left=("steps_left", "sum"), step_s=("step_s", "median")).reset_index()
+    return t.assign(left=t["planned"] - t["finished"], core_hours_left=t["steps_left"] * t["step_s"] / 3600)[
+        ["stage", "planned", "finished", "left", "core_hours_spent", "core_hours_left"]]
 
 
 def outcomes_of(runs: list[Run], stage: str) -> tuple[pd.DataFrame, list[str]]:
@@ -416,7 +442,7 @@ def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str, closed
     verdicts = [waiting.get(stage) or verdict(analyses[stage], family) for stage, verdict in
                 zip(QUESTIONS, (confirmatory.q1_verdict, confirmatory.q2_verdict, confirmatory.q3_verdict))]
     save_table(status(runs), "06_study_plan", params=dict(regime=note, waits=waits, tests=family, verdicts=verdicts,
-                                                          closed=closed))
+                                                          closed=closed, ran_on=ran_on(runs)))
     return dict(regime=note, waits=waits, verdicts=verdicts)
 
 
@@ -456,7 +482,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))
         print(note)
-        print(status(runs).to_string(index=False) if runs else "no run is planned yet")
+        print(status(runs).round(1).to_string(index=False) if runs else "no run is planned yet")
         print("\n".join(waits))
         if args.tables:
             if not cost.empty:

@@ -27,7 +27,8 @@ RISES, FALLS = [0.07, 0.15, 0.2, 0.21, 0.2], [0.07, 0.15, 0.2, 0.02, 0.01]
 def history(steps, accuracies=RISES, dose=1e-3):
     every = steps // (len(accuracies) - 1) if steps > 1 else 1
     evals = pd.DataFrame([dict(step=i * every, eval_accuracy=a, eval_prompts=512) for i, a in enumerate(accuracies)])
-    trained = pd.DataFrame(dict(step=range(1, steps + 1), seq_exact_kl=[dose] + [np.nan] * (steps - 1)))
+    trained = pd.DataFrame(dict(step=range(1, steps + 1), seq_exact_kl=[dose] + [np.nan] * (steps - 1), t_rollout=1.0,
+                                t_score=0.5, t_update=2.0, t_sync=0.5))  # a step: 4 s on one core
     return evals.merge(trained, on="step", how="outer").sort_values("step").reset_index(drop=True)
 
 
@@ -168,6 +169,10 @@ def test_tables_name_missing_runs_and_no_cause_from_three_seeds(study, tmp_path,
     assert out["verdicts"][0] == "Q1 (dose): not run" and out["verdicts"][2].startswith("Q3 (long horizon): cannot tell")
     plan, meta = report.load_table("06_study_plan")
     assert plan.set_index("stage").loc["q3", "finished"] == 5 and meta["params"]["waits"] == waits
+    q3_plan = plan.set_index("stage").loc["q3"]  # 5 runs of 500 steps of 4 s done, one left
+    assert q3_plan["core_hours_spent"] == pytest.approx(5 * 500 * 4 / 3600, rel=1e-6)  # tables keep 6 digits
+    assert q3_plan["core_hours_left"] == pytest.approx(500 * 4 / 3600, rel=1e-6)
+    assert math.isnan(plan.set_index("stage").loc["edge", "core_hours_left"])  # no edge run finished: not known
 
 
 def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes(study, tmp_path, monkeypatch):
@@ -200,6 +205,8 @@ def test_a_question_s_test_waits_for_all_its_planned_runs_until_the_study_closes
     page = readme.block_study_progress()  # the results page counts them, and says the test waits
     assert f"Q1's runs so far: 2 finished, {planned - 2} planned still to run; counts only" in page
     assert "| default BF16, logit noise 0.1 | no | 1 | 0.05 | 1 of 1 [" in page
+    hours = lambda runs: f"{runs * 150 * 4 / 3600:.1f}"  # 150 steps of 4 s
+    assert f"| q1 | {planned} | 2 | {hours(2)} | {hours(planned - 2)} |" in page  # what they took, what is left
     dose_curve = study.confirmatory.dose_curve  # the registered 2000 bootstrap refits take half a minute here
     monkeypatch.setattr(study.confirmatory, "dose_curve", lambda runs: dose_curve(runs, n_boot=50))
     closed = study.write_tables(reg, runs, waits, "regime R: t", closed=True)

@@ -33,7 +33,7 @@ from rla_lib.studies import collapse, dose_response
 from rla_lib.studies.shapley import share_is_readable
 from tools.readme_cpu import block_bf16_matmul, block_isa_spread
 from tools.readme_front import (block_front_exactness, block_front_gap, block_front_study, exactness_verdict,
-                                is_exact, kept_note)
+                                is_exact, kept_note, study_plan)
 from tools.readme_speed import block_speed, block_study_step, block_suite_repeats, block_suite_time
 
 README = ROOT / "README.md"
@@ -541,7 +541,24 @@ def block_study_progress() -> str:
             said += f"The natural BF16 mismatch is {natural.iloc[0]:.2g} of the paper-like dose."
         parts += [said, md_table(["rung", "dose (nats per response)", "x natural BF16", "x paper-like", "in Q1"], rows),
                   source("06_study_calibration", calibration_meta)]
-    return "\n\n".join(part for part in parts + q1_so_far() if part)
+    return "\n\n".join(part for part in parts + q1_so_far() + study_cost_so_far() if part)
+
+
+def study_cost_so_far() -> list[str]:
+    """Each stage's runs planned now and finished, the core-hours they took and the core-hours its runs left would
+    take at the median step of its finished ones (tables/06_study_plan.csv), on the CPUs the runs ran on."""
+    plan, meta = study_plan()
+    if not len(plan) or "core_hours_spent" not in plan:
+        return []
+    hours = lambda x: "not known yet" if x != x else f"{x:.1f}"
+    rows = [[stage, int(r["planned"]), int(r["finished"]), hours(r["core_hours_spent"]), hours(r["core_hours_left"])]
+            for stage, r in plan.iterrows()]
+    cpus = meta.get("params", {}).get("ran_on", [])
+    said = (f"What the runs have cost so far, in core-hours of training steps (one run per core; evaluations not "
+            f"counted), run on {', '.join(cpus) or 'no machine yet'}; what the runs planned now have left, at the "
+            "median step of the stage's finished runs (later plans add runs, e.g. Q1's bracket seeds):")
+    return [said, md_table(["stage", "runs planned now", "finished", "core-hours spent", "core-hours left"], rows),
+            source("06_study_plan", meta)]
 
 
 def q1_so_far() -> list[str]:
