@@ -126,6 +126,18 @@ def test_outcomes_reads_histories_by_run():
     assert (row["collapsed"], row["collapse_step"], row["rises_then_collapses"], row["evaluations"]) == (True, 20, True, 4)
 
 
+def test_the_endpoint_is_the_trained_policy_s_accuracy_not_the_coarse_copy_s():
+    """With coarse rollouts the engine holds a rounded copy: the registered endpoint is the trained policy's held-out
+    accuracy (`eval_accuracy_policy`), whichever of the two falls."""
+    steps, rises, falls = [0, 10, 20, 30], [0.07, 0.15, 0.18, 0.2], [0.07, 0.15, 0.02, 0.01]
+    h = pd.DataFrame({"sweep": "s", "config": "default BF16, 3-bit rollouts", "seed": 0, "eval_prompts": 512,
+                      "step": steps * 2, "run": ["copy falls"] * 4 + ["policy falls"] * 4,
+                      "eval_accuracy": falls + rises, "eval_accuracy_policy": rises + falls})
+    rows = q.outcomes(h).set_index("run")
+    assert not rows.loc["copy falls", "collapsed"] and rows.loc["policy falls", "collapsed"]
+    assert rows.loc["copy falls", "last"] == 0.2 and rows.loc["policy falls", "last"] == 0.01
+
+
 def long_runs(ref, onp, seeds):
     return pd.DataFrame([dict(arm=q.REFERENCE, seed=s, rises_then_collapses=s < ref) for s in range(seeds)]
                         + [dict(arm=q.ON_POLICY, seed=s, rises_then_collapses=s < onp) for s in range(seeds)])

@@ -29,6 +29,7 @@ import pandas as pd
 from ..report import prose
 from .collapse import (PAPER_LIKE_RATES, clopper_pearson, collapse, fisher_one_sided, fisher_power, holm,
                        rises_then_collapses)
+from .stability import policy_accuracy
 
 REFERENCE = "default BF16"
 ON_POLICY = "engine schedule"  # the exactly on-policy arm: every sampled token's training logprob is the engine's
@@ -37,14 +38,15 @@ EDGE_TESTS = {"engine schedule": "H3", "FP32 control": "H4", "rope": "H5"}
 
 
 def outcomes(histories: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of `histories` (columns run, sweep, config, seed, step, eval_accuracy, eval_prompts): the
-    registered endpoints (`collapsed`, its `collapse_step`, `rises_then_collapses`) and the evaluations they rest on
-    (first, peak, last held-out accuracy, `evaluations`, `last_step`)."""
+    """One row per run of `histories` (columns run, sweep, config, seed, step, eval_accuracy(_policy), eval_prompts):
+    the registered endpoints (`collapsed`, its `collapse_step`, `rises_then_collapses`) and the evaluations they rest
+    on (first, peak, last held-out accuracy, `evaluations`, `last_step`). The accuracy is the trained policy's, as
+    registered (`stability.policy_accuracy`: not the coarse copy a coarse-rollout run's engine holds)."""
     rows = []
     for run, h in histories.groupby("run", sort=False):
-        ev = h.dropna(subset=["eval_accuracy"]).sort_values("step")
+        ev = policy_accuracy(h)
         n = int(h["eval_prompts"].dropna().iloc[0])
-        steps, acc = ev["step"].to_numpy(), ev["eval_accuracy"].to_numpy(dtype=float)
+        steps, acc = ev["step"].to_numpy(), ev["accuracy"].to_numpy(dtype=float)
         out = collapse(steps, acc, n)
         rows.append(dict(run=run, sweep=h["sweep"].iloc[0], config=h["config"].iloc[0], seed=int(h["seed"].iloc[0]),
                          evaluations=len(acc), last_step=int(steps[-1]) if len(steps) else 0, problems=n,

@@ -34,7 +34,7 @@ import pandas as pd
 
 from ..report import prose
 from .arms import CONFIGURATIONS, ENGINE_SCHEDULE, TIS, dose_configurations
-from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems, seed_sd
+from .stability import NOISE_Z, accuracy_verdict, binomial_se, eval_problems, policy_accuracy, seed_sd
 
 KINDS = ("none", "bits", "noise", "aligned", "fp32")  # default BF16; the two doses; the zero-mismatch arms
 REFERENCE = "default BF16"  # the arm every other is compared with
@@ -62,17 +62,11 @@ def arm_of(config: str) -> dict:
     return dict(kind=kind, dose=dose, tis=settings.get("tis_cap") is not None, base=config.removesuffix(TIS))
 
 
-def _policy_accuracy(history: pd.DataFrame) -> pd.DataFrame:
-    col = "eval_accuracy_policy" if history.get("eval_accuracy_policy", pd.Series(dtype=float)).notna().any() \
-        else "eval_accuracy"
-    return history.dropna(subset=[col])[["step", col]].rename(columns={col: "accuracy"})
-
-
 def run_outcome(history: pd.DataFrame, eval_prompts: int | None = None) -> dict:
     """One run: its measured mismatch (at the first training step, and means over steps) and its policy's held-out
     accuracy outcomes."""
     n = eval_problems(history, eval_prompts)
-    ev = _policy_accuracy(history)
+    ev = policy_accuracy(history)
     h = history[history["step"] > 0]
     logged = h.dropna(subset=["seq_exact_kl"]).sort_values("step")
     start = logged.iloc[0] if len(logged) else pd.Series(dtype=float)  # the first training step: before any update

@@ -70,6 +70,15 @@ def eval_problems(history: pd.DataFrame, eval_prompts: int | None = None) -> int
                      "value): pass eval_prompts= (the settings search used 256, recorded in its sidecar JSON)")
 
 
+def policy_accuracy(history: pd.DataFrame) -> pd.DataFrame:
+    """The trained policy's held-out accuracy by step (columns step, accuracy): `eval_accuracy_policy`, as with coarse
+    rollouts the engine holds a rounded copy whose accuracy is `eval_accuracy`; a history without that column (its
+    engine held the policy itself) gives `eval_accuracy`."""
+    col = "eval_accuracy_policy" if history.get("eval_accuracy_policy", pd.Series(dtype=float)).notna().any() \
+        else "eval_accuracy"
+    return history.dropna(subset=[col]).sort_values("step")[["step", col]].rename(columns={col: "accuracy"})
+
+
 def _accuracy_columns(ev: pd.DataFrame, column: str, label: str) -> dict:
     acc = ev[column]
     return {f"{label} first": acc.iloc[0], f"{label} peak": acc.max(), f"{label} last": acc.iloc[-1]}
