@@ -35,6 +35,8 @@ def test_every_notebook_has_a_parameters_cell_and_no_outputs():
     assert NOTEBOOKS, "no notebooks found"
     for nb_path in NOTEBOOKS:
         nb = json.loads(nb_path.read_text())
+        ids = [c.get("id") for c in nb["cells"]]  # nbformat 4.5 requires them (papermill warns, later versions refuse)
+        assert None not in ids and len(set(ids)) == len(ids), f"{nb_path.name}: every cell needs an id of its own"
         tags = [c.get("metadata", {}).get("tags", []) for c in nb["cells"]]
         assert sum("parameters" in t for t in tags) == 1, f"{nb_path.name}: needs exactly one cell tagged 'parameters'"
         for c in nb["cells"]:
