@@ -312,11 +312,16 @@ def read_finished(run: Run) -> pd.DataFrame | None:
 STEP_TIMES = ["t_rollout", "t_score", "t_update", "t_sync"]
 
 
-def ran_on(runs: list[Run]) -> list[str]:
+def finished_histories(runs: list[Run]) -> dict[str, pd.DataFrame | None]:
+    """Each planned run's history once finished (else None), read once for the tables that count them."""
+    return {run.run_id: read_finished(run) for run in runs}
+
+
+def ran_on(histories: dict[str, pd.DataFrame | None]) -> list[str]:
     """The CPUs the finished runs ran on (each start's, from its machine.json): what their core-hours are measured on."""
     cpus = set()
-    for run in (run for run in runs if read_finished(run) is not None):
-        for folder in (OUT / run.run_id, shipped_history(run.run_id, sweep.SHIPPED_RUNS).parent):
+    for run_id in (run_id for run_id, h in histories.items() if h is not None):
+        for folder in (OUT / run_id, shipped_history(run_id, sweep.SHIPPED_RUNS).parent):
             if (folder / "machine.json").exists():
                 cpus |= {f"{m['machine']['cpu']} ({m['machine']['cpu_generation']})"
                          for m in json.loads((folder / "machine.json").read_text())}
@@ -324,13 +329,13 @@ def ran_on(runs: list[Run]) -> list[str]:
     return sorted(cpus)
 
 
-def status(runs: list[Run]) -> pd.DataFrame:
+def status(runs: list[Run], histories: dict[str, pd.DataFrame | None]) -> pd.DataFrame:
     """Per stage: runs planned now, finished and left; the core-hours its finished runs took (training steps, one run
     per core; evaluations not counted), and those its runs left would take at the median step of its finished ones
     (none finished: not known)."""
     rows = []
     for run in runs:
-        h = read_finished(run)
+        h = histories[run.run_id]
         step_seconds = None if h is None else h.loc[h["step"] >= 1, STEP_TIMES].sum(axis=1)
         rows.append(dict(stage=run.stage, finished=h is not None, steps_left=0 if h is not None else run.steps,
                          core_hours=0.0 if h is None else step_seconds.sum() / 3600,
@@ -441,8 +446,9 @@ def write_tables(reg: dict, runs: list[Run], waits: list[str], note: str, closed
     family = confirmatory.holm_family(*analyses.values())
     verdicts = [waiting.get(stage) or verdict(analyses[stage], family) for stage, verdict in
                 zip(QUESTIONS, (confirmatory.q1_verdict, confirmatory.q2_verdict, confirmatory.q3_verdict))]
-    save_table(status(runs), "06_study_plan", params=dict(regime=note, waits=waits, tests=family, verdicts=verdicts,
-                                                          closed=closed, ran_on=ran_on(runs)))
+    histories = finished_histories(runs)
+    save_table(status(runs, histories), "06_study_plan", params=dict(
+        regime=note, waits=waits, tests=family, verdicts=verdicts, closed=closed, ran_on=ran_on(histories)))
     return dict(regime=note, waits=waits, verdicts=verdicts)
 
 
@@ -482,7 +488,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
             print("core-hours of the largest plan, per stage-0 candidate (training steps; evaluations not counted):")
             print(cost.round(2).to_string(index=False))
         print(note)
-        print(status(runs).round(1).to_string(index=False) if runs else "no run is planned yet")
+        print(status(runs, finished_histories(runs)).round(1).to_string(index=False) if runs else "no run is planned yet")
         print("\n".join(waits))
         if args.tables:
             if not cost.empty:
