@@ -1,5 +1,5 @@
-"""rla_lib.graphs on the real engine: a compile cache produced in this test run (one compiled engine start,
-in a subprocess), and how captures are kept."""
+"""rla_lib.graphs on the real engine: a compile cache produced in this test run (a compiled engine start in a
+subprocess, then one in this process), and how captures are kept."""
 
 import json
 import shutil
@@ -12,6 +12,7 @@ import pytest
 from rla_lib.align.schedule import schedule_to_align_kwargs
 from rla_lib import graphs
 from rla_lib.align import REGIONS
+from rla_lib.engine import Engine
 from rla_lib.engine_align import engine_schedule_path
 from rla_lib.graphs import captures
 from test_graphs_inductor import COMPILED_CPU
@@ -29,8 +30,16 @@ def test_a_capture_reads_the_same_code_from_a_cold_or_a_warm_engine_cache(tmp_pa
     cold = graphs.capture("qwen3-tiny", "compiled", out_dir=tmp_path / "cold")
     compiled = cached()
     assert compiled  # the capture compiled in the engines' cache: the next engine of the model starts warm
-    warm = graphs.capture("qwen3-tiny", "compiled", out_dir=tmp_path / "warm")
-    code = [graphs.find_output_code(out) for out in (cold, warm)]
+    # the warm one made in this process from an engine started as a measurement starts it (notebook 07's levels)
+    with graphs.capturing_compiled("qwen3-tiny", out_dir=tmp_path / "warm") as finish:
+        with Engine("qwen3-tiny", mode="compiled", seed=0) as engine:
+            assert engine.in_process and finish(engine)
+            assert not finish(engine)  # made once
+            assert engine.score([[1, 2, 3]])[0].token_logprobs.size == 2  # the engine goes on measuring
+    warm = tmp_path / "warm"
+    assert (warm / "capture.json").exists()
+    # the decoder's code (the cold capture also keeps the sampler's op it compiled as it sampled after its trace)
+    code = [[f for f in graphs.find_output_code(out) if captures._is_decoder_code(f)] for out in (cold, warm)]
     assert code[0] and all(tmp_path / "cold" in f.parents for f in code[0])
     assert [f.read_text() for f in code[1]] == [f.read_text() for f in code[0]]  # found in the cache: the same code
     assert cached() == compiled, "the warm capture compiled again"

@@ -59,9 +59,9 @@ _EXPORTS = {
     "reader": ("AnalysisError", "read_points"),
     "schedules": ("export_schedule", "schedule", "schedule_notes"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
-    "captures": ("SIDES", "capture", "capture_dir", "capture_eager_with", "engine_graph", "find_output_code",
-                 "merge_graphs", "parse_cache", "model_key", "read_sides", "capture_sides", "keep_output_code",
-                 "side_graph"),
+    "captures": ("SIDES", "capture", "capture_dir", "capture_eager_with", "capturing_compiled", "engine_graph",
+                 "find_output_code", "merge_graphs", "parse_cache", "model_key", "read_sides", "capture_sides",
+                 "keep_output_code", "side_graph"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

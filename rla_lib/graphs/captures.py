@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,16 +103,17 @@ def merge_graphs(first: Graph, second: Graph, name=None) -> Graph:
 
 
 # ---- capturing an engine run (in a fresh process) -------------------------------------------------------
-def keep_output_code(out: Path) -> None:
+def keep_output_code(out: Path):
     """From now on, the output code of every inductor compile of this process goes to `out` as compile_N.py, in compile
     order, whether inductor generates it or finds it in its cache (the code is the same either way: the cache is keyed
     by everything the code depends on). So a capture compiles in the engines' own cache: warm where an engine of that
-    model compiled before, and a cold compile warms it for the next engine."""
+    model compiled before, and a cold compile warms it for the next engine. Returns what stops it."""
     from torch._inductor.graph import GraphLowering
 
-    count = iter(range(10**6))
+    count, before = iter(range(10**6)), GraphLowering.__dict__.get("save_output_code")
     GraphLowering.save_output_code = staticmethod(
         lambda code: atomic_write(out / f"compile_{next(count)}.py", lambda tmp: tmp.write_text(code)))
+    return lambda: setattr(GraphLowering, "save_output_code", before)
 
 
 def _capture_hf(model: str, out: Path) -> dict:
@@ -180,6 +182,49 @@ def capture_eager_with(eng: Engine, model, out: Path | None = None) -> bool:
     except Timeout:
         return False
     return True
+
+
+@contextmanager
+def capturing_compiled(model, out_dir=None):
+    """The compiled capture of `model` (what `capture(model, "compiled")` makes with an engine of its own), made from a
+    compiled engine the caller starts in this process anyway (a level of notebook 07 as it measures): one engine start
+    and compile for both. Yields `finish(eng)`: call it once that engine has started (its compile is then done and its
+    output code kept); it traces the logits processor and marks the capture made (True). It makes nothing (False) where
+    the capture exists, another process is making it, `eng` is not a compiled engine in this process, or no decoder
+    code was compiled while the engine started; `read_sides` then captures as before. `out_dir` as in `capture`."""
+    out = Path(out_dir) if out_dir else capture_dir(model, "vllm", "compiled")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out.with_name(out.name + ".lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:  # another process is making it
+        yield lambda eng: False
+        return
+    made, stop = [], None
+    try:
+        if not (out / "capture.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # an unfinished capture's files would join this one's
+            out.mkdir()
+            stop = keep_output_code(out)
+
+        def finish(eng: Engine) -> bool:
+            if stop is None or made or eng.mode != "compiled" or not eng.in_process:
+                return False
+            stop()
+            if not any(_is_decoder_code(p) for p in find_output_code(out)):
+                return False
+            _finish_capture(out, {"model": str(model), "engine": "vllm", "mode": "compiled"},
+                            lambda meta: trace_engine(eng, "compiled", out, meta))
+            made.append(out)
+            return True
+
+        yield finish
+    finally:
+        if stop is not None:
+            stop()
+            if not made:
+                shutil.rmtree(out, ignore_errors=True)
+        lock.release()
 
 
 def _finish_capture(out: Path, meta: dict, make) -> None:

@@ -48,12 +48,12 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
     """At this process's level: one row per vLLM mode (stock, paper and schedule exact KL with CIs, and the paired
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
     sampling = dict(n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens, seed=seed, progress=progress)
-    # Three engine starts, not four: the compiled capture first (it compiles in the engines' cache, so the
-    # measurement's compiled engine starts warm), then the engines' samples and scores (cached), the fresh eager engine
-    # also making the eager capture; the training sides follow, once the schedules are read from the captures.
-    graphs.capture_sides([model], (sides.engine("compiled"),))
-    mismatch.measure(model, MODES, training_configs={}, fp32_reference=False, **sampling,
-                     on_engine=lambda engine: graphs.capture_eager_with(engine, model))
+    # Two engine starts, not four: the engines' samples and scores (cached), each fresh engine also making its mode's
+    # capture (the compiled one as it compiles); the training sides follow, once the schedules are read from the
+    # captures. An engine not started (its samples and scores cached) leaves its capture to read_sides.
+    with graphs.capturing_compiled(model) as capture_compiled:
+        mismatch.measure(model, MODES, training_configs={}, fp32_reference=False, **sampling,
+                         on_engine=lambda engine: capture_compiled(engine) or graphs.capture_eager_with(engine, model))
     points, _ = graphs.read_sides(model, tuple(sides.engine(mode) for mode in MODES), progress=progress)
     attention = kernel_numerics()  # the attention of the vLLM library an engine started at this level loads
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
