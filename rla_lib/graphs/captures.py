@@ -20,6 +20,7 @@ from filelock import FileLock, Timeout  # a dependency of torch
 
 from .. import sides
 from ..engine import Engine
+from ..engine_process import engine_environment
 from ..engine_probes import compilation_info, probe_rotary_kernel
 from ..machine import compile_cache_environment, machine, machine_key
 from ..models import concurrent_processes, load_model, resolve_model, side_by_side
@@ -266,6 +267,14 @@ def capture_dir(model, engine="vllm", mode="compiled") -> Path:
     return GRAPHS_DIR / "captures" / key
 
 
+def _copy_model_infos(engines_cache: Path, capture_cache: Path) -> None:
+    """vLLM's records of the model classes its engines ran (`modelinfos`, each checked against its class's source when
+    read), copied into a capture's fresh vLLM cache: without them vLLM inspects the class in a process of its own at
+    the capture's engine start (5-15 s here)."""
+    if (engines_cache / "modelinfos").is_dir():
+        shutil.copytree(engines_cache / "modelinfos", capture_cache / "modelinfos", dirs_exist_ok=True)
+
+
 def _capture_env(engine: str, mode: str, out: Path, extra: dict | None = None) -> dict:
     env = dict(os.environ) | compile_cache_environment() | (extra or {})  # a capped level's own caches
     env.update(HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
@@ -310,8 +319,11 @@ def _capture(model, mode: str, engine: str, out: Path, force: bool, timeout: int
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rla_lib.graphs", "capture", str(model), engine, mode, str(out)]
-    proc = subprocess.run(cmd, env=_capture_env(engine, mode, out, env), cwd=str(PACKAGE_DIR.parent),
-                          capture_output=True, text=True, timeout=timeout)
+    env = _capture_env(engine, mode, out, env)
+    if engine == "vllm":
+        engines_cache = (os.environ | engine_environment())["VLLM_CACHE_ROOT"]  # this process's engines' cache
+        _copy_model_infos(Path(engines_cache), Path(env["VLLM_CACHE_ROOT"]))
+    proc = subprocess.run(cmd, env=env, cwd=str(PACKAGE_DIR.parent), capture_output=True, text=True, timeout=timeout)
     (out / "capture.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0 or not (out / "capture.json").exists():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
