@@ -28,7 +28,7 @@ from .align import refuse_if_aligned, unalign
 from .align.attention import KERNELS, VLLM_CPU_BUILDS
 from .align.schedule import load_schedule, save_schedule, schedule_to_align_kwargs
 from .engine import Engine
-from .graphs import GRAPHS_DIR, model_key, read_sides, schedule
+from .graphs import GRAPHS_DIR, capturing, model_key, read_sides, schedule
 from .machine import machine_key, vllm_cpu_attention_kernel
 from .models import load_model
 from .scoring import token_logprobs
@@ -195,7 +195,8 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
     path = engine_schedule_path(model, mode)
     if path.exists():
         return load_schedule(path)
-    with Engine(model, mode=mode) as engine:
+    with capturing(model, (mode,)) as capture, Engine(model, mode=mode) as engine:
+        capture(engine)  # the capture its schedule is read from, made as it starts (not by an engine of its own)
         sched = engine_schedule(engine, **schedule_kwargs)
     keep_engine_schedule(sched, model, mode)
     return sched

@@ -10,10 +10,12 @@ import pytest
 
 from rla_lib import cli, mismatch_report
 from rla_lib.engine_align import align_to_engine, exactness, kernel_numerics
+from rla_lib.graphs import captures
 from rla_lib.machine import describe, machine, vllm_cpu_attention_kernel
 from rla_lib.models import load_model, load_tokenizer
 from rla_lib.mismatch_run import MismatchRun
 from test_engine_align import MEASURED_EXACT
+from test_notebooks import engine_starts_of_this_test
 from test_prompts import with_chat_template
 
 
@@ -43,20 +45,14 @@ def test_help_names_every_command(capsys):
 
 
 @pytest.mark.engine
-def test_schedule_of_a_running_engine_is_what_align_to_engine_applies(compiled_engine, monkeypatch, tmp_path, capsys):
-    class Borrowed:  # the session's compiled engine, not closed on exit (it is shared)
-        def __init__(self, model, mode):
-            assert mode == "compiled" and str(model) == str(compiled_engine.spec.path)
-
-        def __enter__(self):
-            return compiled_engine
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(cli, "Engine", Borrowed)
+def test_schedule_of_a_running_engine_is_what_align_to_engine_applies(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(captures, "GRAPHS_DIR", tmp_path / "graphs")  # no capture yet: the command makes one
     out = tmp_path / "schedule.json"
-    assert cli.main(["schedule", "--model", "qwen3-tiny", "--out", str(out), "--probe-sequences", "8"]) == 0
+    with engine_starts_of_this_test(tmp_path, monkeypatch) as starts:
+        assert cli.main(["schedule", "--model", "qwen3-tiny", "--out", str(out), "--probe-sequences", "8"]) == 0
+    # its engine makes the capture its schedule is read from as it starts: no engine of the capture's own
+    assert [start["mode"] for start in starts] == ["compiled"], starts
+    assert (captures.capture_dir("qwen3-tiny", "vllm", "compiled") / "capture.json").exists()
     printed = capsys.readouterr().out
     sched = json.loads(out.read_text())
     assert sched["engine"] == "vllm:compiled" and "attention" in sched

@@ -59,7 +59,7 @@ _EXPORTS = {
     "reader": ("AnalysisError", "read_points"),
     "schedules": ("export_schedule", "schedule", "schedule_notes"),
     "tables": ("kernel_table", "plot_layer_chain", "points_match", "points_table", "rounding_diff"),
-    "captures": ("SIDES", "capture", "capture_dir", "capture_eager_with", "capturing_compiled", "engine_graph",
+    "captures": ("SIDES", "capture", "capture_dir", "capture_eager_with", "capturing", "capturing_compiled", "engine_graph",
                  "find_output_code", "merge_graphs", "parse_cache", "model_key", "read_sides", "capture_sides",
                  "keep_output_code", "side_graph"),
 }

@@ -228,6 +228,18 @@ def capturing_compiled(model, out_dir=None):
         lock.release()
 
 
+@contextmanager
+def capturing(model, modes=("compiled", "eager")):
+    """The captures of `model` in `modes` made by the engines the caller starts in this process anyway, one start
+    for both: yields `capture(eng)`, to call as soon as each engine has started (`capturing_compiled`,
+    `capture_eager_with`); True where it made one."""
+    if "compiled" not in modes:
+        yield lambda eng: "eager" in modes and capture_eager_with(eng, model)
+        return
+    with capturing_compiled(model) as capture_compiled:
+        yield lambda eng: capture_compiled(eng) or ("eager" in modes and capture_eager_with(eng, model))
+
+
 def _finish_capture(out: Path, meta: dict, make) -> None:
     """Run `make(meta)` (what it found joins the meta) and write capture.json, the mark of a finished capture."""
     t0 = time.time()
