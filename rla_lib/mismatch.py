@@ -34,6 +34,7 @@ from . import kl, sides, task
 from .align import REGIONS
 from .engine import Engine, check_truncation, default_context
 from .exact_kl import exact_kl
+from .graphs import capturing
 from .machine import machine
 from .mismatch_cache import (cache_folder, copy_side, load_or_sample, load_or_score_exact, load_or_score_side,
                              load_side, sample_key, side_file)
@@ -191,7 +192,6 @@ def measure(
     prompts: list | None = None,
     top_p: float = 1.0,
     top_k: int = 0,
-    on_engine=None,
 ) -> MismatchRun:
     """Sample with the first engine mode, score with every mode and every training configuration.
 
@@ -208,8 +208,8 @@ def measure(
     prompts: your own prompts instead of the task's held-out split (n_prompts is then their number): per prompt a
     text, a chat (a list of {"role", "content"} messages: the checkpoint's chat template applied) or token ids; see
     `rla_lib.prompts` (and `read_prompts` for a JSON-lines file). Their rewards are NaN.
-    on_engine: called with each engine as it starts, before it samples or scores (an engine starts only for what is
-    not cached), e.g. to trace it while it is fresh (`graphs.capture_eager_with`).
+    An engine starts only for what is not cached; one that starts also leaves its mode's graph capture where this
+    machine has none yet (`graphs.capturing`: notebook 03a's reading, without an engine start of its own).
     """
     _temperature_kwargs(temperature)  # fail before any engine starts
     check_truncation(top_p, top_k)
@@ -230,8 +230,9 @@ def measure(
     if fp32_reference:
         scorers[sides.FP32] = ("float32", (), {})
     # at a large vocabulary each mode's engine also gives the exact KL against every side, before it closes
-    run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts,
-                              exact_scorers=None if full else scorers, on_engine=on_engine)
+    with capturing(spec.path, modes) as capture:
+        run = _score_engine_modes(run, spec, modes, folder, key, full, temperature, progress, prompts,
+                                  exact_scorers=None if full else scorers, on_engine=capture)
     _score_training_sides(run, spec, scorers, folder, full, temperature, progress)
     run.meta = dict(run.meta) | {"modes": list(modes), "fp32": fp32_reference,
                                  "configs": {k: [list(v[0]), dict(v[1])] for k, v in training_configs.items()}}

@@ -169,6 +169,7 @@ class FakeEngine:
     """Stands in for vLLM: deterministic samples and scores, and a log of which modes were started."""
 
     started, score_temperatures, given = [], [], []
+    in_process = False  # no engine code to capture a graph from (graphs.capturing makes nothing)
 
     def __init__(self, model, mode="compiled", seed=0):
         self.mode = mode

@@ -49,10 +49,9 @@ def measure_here(model: str, n_prompts: int = mismatch.STANDARD["n_prompts"], n_
     changes stock -> paper, stock -> schedule, paper -> schedule), and the rounding points read per engine side."""
     sampling = dict(n_prompts=n_prompts, n_samples=n_samples, max_tokens=max_tokens, seed=seed, progress=progress)
     # Two engine starts, not four: the engines' samples and scores (cached), each fresh engine also making its mode's
-    # capture (the compiled one as it compiles); the training sides follow, once the schedules are read from the
-    # captures. An engine not started (its samples and scores cached) leaves its capture to read_sides.
-    with graphs.capturing(model, MODES) as capture:
-        mismatch.measure(model, MODES, training_configs={}, fp32_reference=False, **sampling, on_engine=capture)
+    # capture (mismatch.measure); the training sides follow, once the schedules are read from the captures. An engine
+    # not started (its samples and scores cached) leaves its capture to read_sides.
+    mismatch.measure(model, MODES, training_configs={}, fp32_reference=False, **sampling)
     points, _ = graphs.read_sides(model, tuple(sides.engine(mode) for mode in MODES), progress=progress)
     attention = kernel_numerics()  # the attention of the vLLM library an engine started at this level loads
     configs = {"none": ((), {}), PAPER: (REGIONS, {})}
