@@ -3,6 +3,8 @@ subprocess, then one in this process), and how captures are kept."""
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,3 +82,23 @@ def test_two_processes_asking_for_one_capture_make_it_once(tmp_path, monkeypatch
     with ThreadPoolExecutor(2) as pool:
         outs = list(pool.map(lambda _: graphs.capture("qwen3-tiny", "eager", out_dir=tmp_path / "cap"), range(2)))
     assert outs == [tmp_path / "cap"] * 2 and made == [tmp_path / "cap"]
+
+
+def test_an_engine_that_compiled_nothing_leaves_no_capture_and_frees_its_lock_at_once(tmp_path):
+    """capturing_compiled holds the capture's lock from before the engine starts until `finish`, not until the caller's
+    block ends (a measurement goes on for minutes after its engine started): another process waiting for that capture
+    goes on at once, and finds no half-made folder where the engine compiled no decoder (its code was cached elsewhere)."""
+    out = tmp_path / "cap"
+
+    def lock_is_free() -> bool:  # asked from another process (one process's own locks never block it)
+        return subprocess.run([sys.executable, "-c", f"from filelock import FileLock; FileLock({str(out) + '.lock'!r}, "
+                               "timeout=0).acquire()"], capture_output=True).returncode == 0
+
+    class Started:  # an in-process compiled engine whose start compiled nothing here
+        mode, in_process = "compiled", True
+
+    with captures.capturing_compiled("qwen3-tiny", out_dir=out) as finish:
+        assert not lock_is_free() and out.is_dir()
+        assert not finish(Started())
+        assert lock_is_free() and not out.exists()
+        assert not finish(Started())  # once

@@ -201,31 +201,36 @@ def capturing_compiled(model, out_dir=None):
     except Timeout:  # another process is making it
         yield lambda eng: False
         return
-    made, stop = [], None
+    made, stop, ended = [], None, []
+
+    def end():  # once: the hook off, an unfinished capture's files gone, the lock released for whoever waits
+        if not ended:
+            ended.append(True)
+            if stop is not None:
+                stop()
+                if not made:
+                    shutil.rmtree(out, ignore_errors=True)
+            lock.release()
+
+    def finish(eng: Engine) -> bool:
+        if stop is None or ended or eng.mode != "compiled" or not eng.in_process:
+            return False
+        stop()
+        if any(_is_decoder_code(p) for p in find_output_code(out)):
+            _finish_capture(out, {"model": str(model), "engine": "vllm", "mode": "compiled"},
+                            lambda meta: trace_engine(eng, "compiled", out, meta))
+            made.append(out)
+        end()  # as soon as the engine has started
+        return bool(made)
+
     try:
         if not (out / "capture.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # an unfinished capture's files would join this one's
             out.mkdir()
             stop = keep_output_code(out)
-
-        def finish(eng: Engine) -> bool:
-            if stop is None or made or eng.mode != "compiled" or not eng.in_process:
-                return False
-            stop()
-            if not any(_is_decoder_code(p) for p in find_output_code(out)):
-                return False
-            _finish_capture(out, {"model": str(model), "engine": "vllm", "mode": "compiled"},
-                            lambda meta: trace_engine(eng, "compiled", out, meta))
-            made.append(out)
-            return True
-
         yield finish
     finally:
-        if stop is not None:
-            stop()
-            if not made:
-                shutil.rmtree(out, ignore_errors=True)
-        lock.release()
+        end()
 
 
 @contextmanager
