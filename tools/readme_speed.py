@@ -186,23 +186,16 @@ def _make_test_row(add, checks: list, rows_meta: dict | None) -> None:
     checks.append(("`make test`", 12, " min", _without_ci(minutes_if_passed(last), minutes_if_passed(capped_row))))
 
 
-FLOOR_LIMITS = {"tiny": 1.25, "real shape": 1.5}  # the GRPO step's targets, as multiples of its floor on each CPU
+RUN_ALL_LIMIT = 12  # minutes, on every CPU kind (the speed issue's target; 10 before it)
+# Every GRPO step's target (the tiny model's, the real shape's, the study's: block_study_step), as a multiple of its kernel
+# bound: the engine's rollout plus the kernels the training bits depend on (GEMMs, attention, optimizer) as they ran. Set
+# against that bound, not the linear-arithmetic floor: meeting the floor would need other kernels, and so other bits.
+KERNEL_BOUND_LIMIT = 1.15
 
 
-def _times_floor(t, column: str = "total") -> float | None:
-    """A GRPO-step table's step time (or another `column`'s) as a multiple of its floor (None for tables written
-    before that column was)."""
-    return t[column].iloc[0] / t["floor"].iloc[0] if "floor" in t and column in t else None
-
-
-KERNELS_TAKE = "the rollout and the kernels the training bits depend on (GEMMs, attention, optimizer) alone take"
-
-
-def _kernel_floors(here, capped) -> tuple[dict]:
-    """The verdict's bound for a GRPO-step check: rollout + those kernels, as a multiple of the floor, where measured."""
-    ratios = {where: _times_floor(t, "kernel_floor") for where, t in [("here", here), (CAPPED, capped)] if t is not None}
-    bounds = {where: (ratio, KERNELS_TAKE) for where, ratio in ratios.items() if ratio is not None}
-    return (bounds,) if bounds else ()
+def _times_bound(t) -> float | None:
+    """A GRPO-step table's step time as a multiple of its kernel bound (None for tables written before it was timed)."""
+    return t["total"].iloc[0] / t["kernel_floor"].iloc[0] if t is not None and "kernel_floor" in t else None
 
 
 def _step_text(r) -> str:
@@ -235,25 +228,25 @@ def block_speed() -> str:
         rows_meta = meta
         before, before_meta = load_table("run_all_time_before")
         capped = _capped_table("run_all_time")
-        add("`make run-all` <= 10 min", "all notebooks after set-up (first start to last end), fresh clone, cold compile caches",
+        add(f"`make run-all` <= {RUN_ALL_LIMIT} min", "all notebooks after set-up (first start to last end), fresh clone, cold compile caches",
             ".venv/bin/python benchmarks/fresh_clone_test.py --target run-all", f"{minutes(before)} ({before_meta['commit']})",
             f"{minutes(after)} ({meta['commit']})", meta, before_meta,
             f"{minutes(capped[0])} ({capped[1]['commit']})" if capped else "(not measured)")
-        checks.append(("`make run-all`", 10, " min", _without_ci(wall_seconds(after) / 60,
+        checks.append(("`make run-all`", RUN_ALL_LIMIT, " min", _without_ci(wall_seconds(after) / 60,
                                                                   wall_seconds(capped[0]) / 60 if capped else None)))
     if (TABLES_DIR / "bench_fresh_clone.csv").exists():
         _make_test_row(add, checks, rows_meta)
 
+    bound = f"<= {KERNEL_BOUND_LIMIT:g}x its kernel bound"
     if (TABLES_DIR / "bench_grpo_step_bf16.csv").exists():
         after, meta = load_table("bench_grpo_step_bf16")
         before, before_meta = load_table("bench_grpo_step_bf16_before")
         capped = _capped_table("bench_grpo_step_bf16")
-        add(f"GRPO step <= {FLOOR_LIMITS['tiny']:g}x its floor", "default BF16, 16 prompts x 8 samples, median",
+        add(f"GRPO step {bound}", "default BF16, 16 prompts x 8 samples, median",
             "benchmarks/grpo_step.py", _step_text(before.iloc[0]), _step_text(after.iloc[0]), meta, before_meta,
             _step_text(capped[0].iloc[0]) if capped else "(not measured)")
-        checks.append(("the GRPO step", FLOOR_LIMITS["tiny"], "x its floor", _without_ci(
-            _times_floor(after), _times_floor(capped[0]) if capped else None),
-            *_kernel_floors(after, capped[0] if capped else None)))
+        checks.append(("the GRPO step", KERNEL_BOUND_LIMIT, "x its kernel bound", _without_ci(
+            _times_bound(after), _times_bound(capped[0] if capped else None))))
     real_shape = "bench_grpo_step_bf16_qwen3-0.6b-shape"
     if (TABLES_DIR / f"{real_shape}.csv").exists():
         t, meta = load_table(real_shape)
@@ -266,10 +259,9 @@ def block_speed() -> str:
             return f"{_step_text(row)}; peak {row['peak_gb']:.1f} GB (training process{mapped}); {rewards}"
         before = _optional_table(f"{real_shape}_before")
         capped = _capped_table(real_shape)
-        checks.append(("the GRPO step at the real shape", FLOOR_LIMITS["real shape"], "x its floor", _without_ci(
-            _times_floor(t), _times_floor(capped[0]) if capped else None),
-            *_kernel_floors(t, capped[0] if capped else None)))
-        add(f"GRPO step at the real shape <= {FLOOR_LIMITS['real shape']:g}x its floor; peak memory",
+        checks.append(("the GRPO step at the real shape", KERNEL_BOUND_LIMIT, "x its kernel bound", _without_ci(
+            _times_bound(t), _times_bound(capped[0] if capped else None))))
+        add(f"GRPO step at the real shape {bound}; peak memory",
             f"qwen3-0.6b-shape, {p.get('prompts')} prompts x "
             f"{p.get('group_size')} samples, median", "benchmarks/grpo_step.py --model .cache/real-shape/qwen3-0.6b-shape "
             "--rewards coin", f"{with_memory(*before)} ({before[1]['commit']})" if before else "(not measured)",
@@ -302,27 +294,24 @@ def block_speed() -> str:
 
 def speed_verdict(checks, controls=None) -> str:
     """Which targets hold, here and capped, in words: a target with a CI holds where the CI's upper end is below it."""
-    number = lambda value, unit: (f"{value:.1f}{unit}" if unit == "%" else f"{value:.2g}{unit}" if value < 1
-                                  else f"{value:.1f}{unit}")
+    # a multiple ("1.31x its kernel bound") to the hundredth its target is given in
+    number = lambda value, unit: (f"{value:.1f}{unit}" if unit == "%" else f"{value:.2f}{unit}" if unit.startswith("x")
+                                  else f"{value:.2g}{unit}" if value < 1 else f"{value:.1f}{unit}")
 
-    def says(value, high, limit, unit, floor=None):
+    def says(value, high, limit, unit):
         figure = number(value, unit)
         if high <= limit:
             return f"{figure} (target {limit:g}{unit}: met)"
         if value <= limit:
             return f"{figure} (target {limit:g}{unit}: below on the estimate, not shown: its CI reaches {high:.1f}{unit})"
-        bound, takes = floor if isinstance(floor, tuple) else (floor, "the floor is")  # (value, what it is)
-        if bound is not None and bound > limit:  # the benchmark's lower bound for these numerics on this machine
-            return (f"{figure} (target {limit:g}{unit}: missed, and out of reach with the same numerics there: "
-                    f"{takes} {number(bound, unit)})")
         return f"{figure} (target {limit:g}{unit}: missed)"
 
     parts = []
     for where, name in [("here", "On this CPU"), (CAPPED, f"Capped to {CAPPED}")]:
         said = []
-        for target, limit, unit, values, *floors in checks:  # floors: {where: a lower bound, or (bound, what takes it)}, if any
+        for target, limit, unit, values in checks:
             if where in values:
-                said.append(f"{target} {says(*values[where], limit, unit, floors[0].get(where) if floors else None)}")
+                said.append(f"{target} {says(*values[where], limit, unit)}")
         if said:
             parts.append(f"{name}: " + "; ".join(said) + ".")
         if where in (controls or {}):
@@ -364,7 +353,6 @@ def run_cpus(condition: str, runs: int) -> str:
 
 
 STUDY_MODEL = "qwen3-tiny-steps-hot"  # the collapse study's stage-0 model (data/grpo_study/preregistration.json)
-KERNEL_BOUND_LIMIT = 1.15  # the study's step against the kernels its training bits depend on
 
 
 def block_study_step() -> str:
