@@ -13,7 +13,9 @@ the diff in code, for whatever engine version, backend and compile settings prod
 
 `read_sides(model)` does this for vLLM compiled, vLLM eager, torch.compile of Transformers and stock
 Transformers at once; `python -m rla_lib.graphs capture MODEL {vllm|hf} {compiled|eager} DIR` makes a capture
-directory on another machine (e.g. a GPU) that `engine_graph(DIR)` reads here.
+directory on another machine (e.g. a GPU) that `engine_graph(DIR)` reads here. An engine started in this process
+for something else makes its mode's capture as it starts (`capturing`: `mismatch.measure`, `rla schedule`), so a
+capture rarely needs an engine of its own.
 
 Every side becomes one `Graph` of value nodes in program order. A node is one computed value (one
 inductor CSE temporary, one stored buffer, one aten op output) with a normalised op name, its inputs,
