@@ -37,9 +37,8 @@ import sys
 from pathlib import Path
 
 from . import mismatch_html, mismatch_report, where
-from .engine import MODES, Engine, check_truncation, default_context
-from .engine_align import engine_schedule, exactness
-from .graphs import capturing
+from .engine import MODES, check_truncation, default_context
+from .engine_align import exactness, started_engine_schedule
 from .align.schedule import save_schedule
 from .machine import describe, machine
 from .mismatch import measure
@@ -62,9 +61,7 @@ def cmd_schedule(args) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"--out {out}: the folder {out.parent} does not exist; create it or choose another")
-    with capturing(spec.path, () if args.force else (args.mode,)) as capture, Engine(spec.path, mode=args.mode) as engine:
-        capture(engine)  # the capture its schedule is read from, made as it starts (not by an engine of its own)
-        sched = engine_schedule(engine, n_sequences=args.probe_sequences, force=args.force)
+    sched = started_engine_schedule(spec.path, args.mode, force=args.force, n_sequences=args.probe_sequences)
     save_schedule(sched, out)
     print(f"{out}: the rounding schedule of vLLM {args.mode} for {spec.path.name}; {exactness(sched)}")
     return 0

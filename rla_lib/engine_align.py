@@ -195,11 +195,17 @@ def engine_schedule_for(model, mode: str = "compiled", **schedule_kwargs) -> dic
     path = engine_schedule_path(model, mode)
     if path.exists():
         return load_schedule(path)
-    with capturing(model, (mode,)) as capture, Engine(model, mode=mode) as engine:
-        capture(engine)  # the capture its schedule is read from, made as it starts (not by an engine of its own)
-        sched = engine_schedule(engine, **schedule_kwargs)
+    sched = started_engine_schedule(model, mode, **schedule_kwargs)
     keep_engine_schedule(sched, model, mode)
     return sched
+
+
+def started_engine_schedule(model, mode: str, force: bool = False, **schedule_kwargs) -> dict:
+    """`engine_schedule` of an engine of (model, mode) started for it: one start, which also makes the capture the
+    schedule is read from (`graphs.capturing`; force=True captures afresh, with an engine of its own)."""
+    with capturing(model, () if force else (mode,)) as capture, Engine(model, mode=mode) as engine:
+        capture(engine)
+        return engine_schedule(engine, force=force, **schedule_kwargs)
 
 
 def engine_schedule_from_code(model, mode: str = "compiled") -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rla_lib import cli, mismatch_report
+from rla_lib import cli, engine_align, mismatch_report
 from rla_lib.engine_align import align_to_engine, exactness, kernel_numerics
 from rla_lib.graphs import captures
 from rla_lib.machine import describe, machine, vllm_cpu_attention_kernel
@@ -31,7 +31,7 @@ def test_env_prints_the_machine_record(capsys):
     (["--model", "qwen3-tiny", "--out", "/nonexistent/folder/s.json"], "the folder /nonexistent/folder does not exist"),
 ])
 def test_schedule_refuses_bad_input_before_an_engine_starts(monkeypatch, capsys, args, message):
-    monkeypatch.setattr(cli, "Engine", None)  # any engine start would fail loudly
+    monkeypatch.setattr(engine_align, "Engine", None)  # any engine start would fail loudly
     argv = ["schedule", "--out", "s.json", *args] if "--out" not in args else ["schedule", *args]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
