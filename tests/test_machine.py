@@ -331,7 +331,7 @@ with reuse_freed_memory():
     kept = resident() - base
     for _ in range(8):
         touch_and_free()
-        trim_freed_memory(keep=0.5)  # the interpreter and torch hold far less than a block in use: trims each time
+        trim_freed_memory(keep=0.5)  # where glibc grows the heap for each block (before 2.38: aligned), trimmed each time
     after_steps = resident() - base
 left = resident() - base
 print(json.dumps(dict(size=size, default=default, kept=kept, after_steps=after_steps, left=left)))
@@ -349,3 +349,34 @@ def test_freed_memory_is_kept_for_reuse_inside_and_given_back_after():
     # two blocks larger (the kept one and the live one's), where each would add its own unbounded (glibc < 2.38)
     assert r["after_steps"] < 2 * r["size"] + small
     assert r["left"] < small  # after: given back
+
+
+class FakeGlibc:
+    """mallinfo2 and malloc_trim as `trim_freed_memory` reads them: a heap of `arena` bytes, `free` of them free."""
+
+    def __init__(self):
+        self.arena, self.free, self.trims = 0, 0, 0
+
+    def mallinfo2(self):
+        return memory._MallInfo2(arena=self.arena, fordblks=self.free, uordblks=self.arena - self.free)
+
+    def malloc_trim(self, pad):
+        self.trims += 1
+
+
+def test_freed_memory_is_trimmed_only_where_the_heap_grew(monkeypatch):
+    libc = FakeGlibc()
+    monkeypatch.setattr(memory, "_glibc", lambda: libc)
+    monkeypatch.setattr(memory, "_heap_at_last_trim_check", 0)
+    libc.arena, libc.free = 6 << 30, 4 << 30  # a first step grew the heap, and freed twice what stays in use
+    memory.trim_freed_memory(keep=0.5)
+    assert libc.trims == 1
+    for _ in range(3):  # later steps found what they needed in the kept memory: the heap kept its size
+        memory.trim_freed_memory(keep=0.5)
+    assert libc.trims == 1  # a trim would discard every kept page, and the next step fault them in again
+    libc.arena += 1 << 30  # a step that grew the heap (an aligned block that the freed ones did not serve)
+    memory.trim_freed_memory(keep=0.5)
+    assert libc.trims == 2
+    libc.arena, libc.free = 8 << 30, 1 << 30  # grown, but what is kept is small next to what is in use
+    memory.trim_freed_memory(keep=0.5)
+    assert libc.trims == 2
