@@ -75,26 +75,30 @@ def reuse_freed_memory():
         release_memory()
 
 
-_heap_at_last_trim_check = 0  # bytes glibc held from the system at the last `trim_freed_memory` call
+HEAP_GROWTH = 1.25  # the heap may grow by this factor between two trims (`trim_freed_memory`)
+_heap_base: int | None = None  # bytes glibc held from the system when the heap was last checked against its bound
 
 
 def trim_freed_memory(keep: float = FREED_MEMORY_KEPT) -> None:
-    """Give the freed memory glibc keeps back to the system once it is more than `keep` times the memory in use and
-    the heap grew since the last call. glibc before 2.38 does not hand a freed block to an aligned allocation (torch's)
-    of the same size, so what `reuse_freed_memory` keeps can grow step after step without this bound; a GRPO step at
-    the real shape leaves about a quarter of its memory freed, which the next step takes again.
+    """Give the freed memory glibc keeps back to the system once it is more than `keep` times the memory in use, at the
+    first call and then each time the heap has grown by `HEAP_GROWTH` since the last trim. glibc before 2.38 does not
+    hand a freed block to an aligned allocation (torch's) of the same size, so what `reuse_freed_memory` keeps can grow
+    step after step without this bound; a GRPO step at the real shape leaves about a quarter of its memory freed,
+    which the next step takes again.
 
-    A heap that did not grow means the step found what it needed in the kept memory: trimming then would undo the
-    reuse, since glibc's trim discards every free page, not only the heap's top, and the next step faults all of them
-    in again (the collapse study's step: its whole working set, an eighth of the step's time on a Zen 4 core)."""
-    global _heap_at_last_trim_check
+    A trim between steps that found what they needed in the kept memory would undo the reuse: glibc's trim discards
+    every free page, not only the heap's top, and the next step faults all of them in again (the collapse study's
+    step: its whole working set, a step's first few percent of heap growth enough to trigger it)."""
+    global _heap_base
     libc = _glibc()
     if libc is None:
         return
     info = libc.mallinfo2()
-    if info.arena > _heap_at_last_trim_check and info.fordblks > keep * info.uordblks:
-        libc.malloc_trim(0)
-    _heap_at_last_trim_check = libc.mallinfo2().arena
+    first = _heap_base is None
+    if first or info.arena > HEAP_GROWTH * _heap_base:
+        if info.fordblks > keep * info.uordblks:
+            libc.malloc_trim(0)
+        _heap_base = libc.mallinfo2().arena
 
 
 def release_memory() -> None:
