@@ -7,6 +7,7 @@ one backward over the whole batch (grpo.Policy as it is) within the tolerances t
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,17 @@ def torchrun(nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
+ROOT_CAUSE = re.compile(r"Fatal Python error|terminate called|what\(\):|Error:|Aborted|File \"")
+
+
+def failure_of(stderr: str) -> str:
+    """What a failed torchrun printed, for the assertion: the lines naming a root cause (a rank's fatal signal and
+    its Python stack, an uncaught C++ exception, a Python error), which torchrun's own traceback pushes out of the
+    tail, then the tail."""
+    causes = [line for line in stderr.splitlines() if ROOT_CAUSE.search(line)]
+    return "\n".join(causes[:60]) + "\n...\n" + stderr[-3000:]
+
+
 def kernel_stack(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stack").read_text()
@@ -91,7 +103,7 @@ def test_wrong_world_size_stops_before_training(tmp_path):
 @pytest.mark.engine  # two processes for ~25 s
 def test_fsdp_grpo_matches_single_process(tmp_path):
     result = torchrun(2, tmp_path, "--max-grad-norm", "inf")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_of(result.stderr)
     table = pd.read_csv(tmp_path / "table.csv")
     references = table[table.compared_with != "stock"]
     assert len(references) == 4
@@ -124,8 +136,9 @@ def test_fsdp_engine_aligned_is_the_engine_at_every_step(tmp_path):
     table_path = tmp_path / "fsdp_engine.csv"
     result = subprocess.run([sys.executable, str(SCRIPT), "--engine", "--steps", "2", "--max-grad-norm", "inf",
                              "--checkpoints", str(tmp_path / "checkpoints"), "--engine-table", str(table_path)],
-                            capture_output=True, text=True, timeout=HANG_GUARD_S * 2)
-    assert result.returncode == 0, result.stderr[-3000:]
+                            capture_output=True, text=True, timeout=HANG_GUARD_S * 2,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # a rank's fatal signal prints its stack
+    assert result.returncode == 0, failure_of(result.stderr)
     table = pd.read_csv(table_path).set_index(["arm", "step"])
     assert list(table.index) == [("stock", 1), ("stock", 2), ("engine-aligned", 1), ("engine-aligned", 2)]
     assert (table.response_tokens > 0).all()
