@@ -61,6 +61,7 @@ def reuse_freed_memory():
     freed, and the next step faults its pages in again, zeroed, page by page (slow in a VM). The arithmetic, and so
     every bit, is unchanged; `benchmarks/grpo_step.py --allocator default` measures the difference. Elsewhere than
     glibc 2.33 or later, nothing changes."""
+    global _heap_base
     libc = _glibc()
     if libc is None:
         yield
@@ -73,6 +74,7 @@ def reuse_freed_memory():
         for parameter, value in GLIBC_DEFAULTS.items():
             libc.mallopt(parameter, value)
         release_memory()
+        _heap_base = None  # the heap given back: the next run's first step sets the bound afresh
 
 
 HEAP_GROWTH = 1.25  # the heap may grow by this factor between two trims (`trim_freed_memory`)

@@ -367,6 +367,9 @@ class FakeGlibc:
     def malloc_trim(self, pad):
         self.trims += 1
 
+    def mallopt(self, parameter, value):
+        pass
+
 
 def test_freed_memory_is_trimmed_at_first_and_then_only_where_the_heap_grew(monkeypatch):
     libc = FakeGlibc()
@@ -385,3 +388,8 @@ def test_freed_memory_is_trimmed_at_first_and_then_only_where_the_heap_grew(monk
     libc.arena, libc.free = libc.arena * 2, 1 << 30  # grown past it again, but what is kept is small next to what is used
     memory.trim_freed_memory(keep=0.5)
     assert libc.trims == 2
+    with memory.reuse_freed_memory():  # a run that ends gives its heap back ...
+        pass
+    libc.free = libc.arena // 2
+    memory.trim_freed_memory(keep=0.5)  # ... so the next run's first step trims and sets the bound afresh
+    assert libc.trims == 3
