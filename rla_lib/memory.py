@@ -30,6 +30,8 @@ def malloc_environment(settings: dict[int, int]) -> dict[str, str]:
 KEEP_FREED_ENVIRONMENT = malloc_environment(KEEP_FREED) | {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 FREED_MEMORY_KEPT = 0.5  # freed memory kept for reuse at most, as a share of the memory in use (`trim_freed_memory`)
+HEAP_GROWTH = 1.25  # the heap may grow by this factor between two trims (`trim_freed_memory`)
+_heap_base: int | None = None  # bytes glibc held from the system when the heap was last checked against its bound
 
 
 class _MallInfo2(ctypes.Structure):
@@ -77,10 +79,6 @@ def reuse_freed_memory():
         _heap_base = None  # the heap given back: the next run's first step sets the bound afresh
 
 
-HEAP_GROWTH = 1.25  # the heap may grow by this factor between two trims (`trim_freed_memory`)
-_heap_base: int | None = None  # bytes glibc held from the system when the heap was last checked against its bound
-
-
 def trim_freed_memory(keep: float = FREED_MEMORY_KEPT) -> None:
     """Give the freed memory glibc keeps back to the system once it is more than `keep` times the memory in use, at the
     first call and then each time the heap has grown by `HEAP_GROWTH` since the last trim. glibc before 2.38 does not
@@ -90,14 +88,13 @@ def trim_freed_memory(keep: float = FREED_MEMORY_KEPT) -> None:
 
     A trim between steps that found what they needed in the kept memory would undo the reuse: glibc's trim discards
     every free page, not only the heap's top, and the next step faults all of them in again (the collapse study's
-    step: its whole working set, a step's first few percent of heap growth enough to trigger it)."""
+    step, trimmed after every step: its whole working set, each step)."""
     global _heap_base
     libc = _glibc()
     if libc is None:
         return
     info = libc.mallinfo2()
-    first = _heap_base is None
-    if first or info.arena > HEAP_GROWTH * _heap_base:
+    if _heap_base is None or info.arena > HEAP_GROWTH * _heap_base:
         if info.fordblks > keep * info.uordblks:
             libc.malloc_trim(0)
         _heap_base = libc.mallinfo2().arena
