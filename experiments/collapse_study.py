@@ -3,6 +3,7 @@
     .venv/bin/python experiments/collapse_study.py --plan     # every stage: planned, finished, what it waits for, and
                                                               # the core-hours of the largest plan per stage-0 candidate
     .venv/bin/python experiments/collapse_study.py            # run what the plan allows now (start one per core)
+    .venv/bin/python experiments/collapse_study.py --hours 2.5   # take a run only if it can finish within 2.5 h
     .venv/bin/python experiments/collapse_study.py --tables   # tables/06_study_*.csv from the finished runs
     .venv/bin/python experiments/collapse_study.py --tables --close   # once the study ends: every test, missing named
     .venv/bin/python experiments/collapse_study.py --stage calibration   # only that stage's runs (one core on it)
@@ -34,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import math
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -317,6 +319,20 @@ def finished_histories(runs: list[Run]) -> dict[str, pd.DataFrame | None]:
     return {run.run_id: read_finished(run) for run in runs}
 
 
+EVALUATION_SHARE = 0.2  # a run's evaluations, not timed in its history, as a share of its steps' time (a margin)
+
+
+def run_hours(run: Run, histories: dict[str, pd.DataFrame | None]) -> float:
+    """Hours a run would take: its steps at the median step of its stage's finished runs (of all finished runs, none
+    of its stage has finished), plus EVALUATION_SHARE; 0 where no run has finished (then it is taken)."""
+    timed = {run_id: h for run_id, h in histories.items() if h is not None}
+    stage = [h for run_id, h in timed.items() if run_id.startswith(f"{run.stage}-")] or list(timed.values())
+    if not stage:
+        return 0.0
+    per_step = float(np.median([h.loc[h["step"] >= 1, STEP_TIMES].sum(axis=1).median() for h in stage]))
+    return run.steps * per_step * (1 + EVALUATION_SHARE) / 3600
+
+
 def ran_on(histories: dict[str, pd.DataFrame | None]) -> list[str]:
     """The CPUs the finished runs ran on (each start's, from its machine.json): what their core-hours are measured on."""
     cpus = set()
@@ -459,6 +475,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     parser.add_argument("--close", action="store_true",
                         help="with --tables, once the study has ended: run each question's registered test over the "
                              "runs that finished, naming the rest missing (without it a test waits for all its runs)")
+    parser.add_argument("--hours", type=float, metavar="H",
+                        help="stop taking runs that would not finish within H hours of the start (a machine that is "
+                             "handed back loses its unfinished runs' checkpoints with results/)")
     parser.add_argument("--stage", action="append", choices=list(STAGE_ORDER),
                         help="run only this stage's runs (repeat for several)")
     parser.add_argument("--assume-regime", metavar="TAG",
@@ -500,10 +519,16 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     runs = taken(runs)
     if copied := sweep.ship_finished((OUT / run.run_id, run.steps) for run in runs):  # finished before a crash
         print(f"copied to {sweep.SHIPPED_RUNS.relative_to(ROOT)}: {', '.join(copied)}", flush=True)
-    done, failed = 0, set()
+    done, failed, started, too_long = 0, set(), time.monotonic(), []
     while True:  # one run at a time, planned again after each: a finished stage unlocks the next
+        unfinished = [run for run in runs if run.run_id not in failed and read_finished(run) is None]
+        if args.hours is not None:
+            hours_left = args.hours - (time.monotonic() - started) / 3600
+            histories = finished_histories(runs)
+            too_long = [run for run in unfinished if run_hours(run, histories) > hours_left]
+            unfinished = [run for run in unfinished if run not in too_long]
         todo = [(grpo.GRPOConfig(**sweep.resolved(run.arm, settings_for(r, run))), OUT / run.run_id)
-                for run in runs if run.run_id not in failed and read_finished(run) is None]
+                for run in unfinished]
         claim = sweep.claimed(todo)
         mine = next(claim, None)
         if mine is None:
@@ -522,4 +547,5 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         runs, waits = plan(reg, r, read_finished)
         runs = taken(runs)
     print("nothing more to run now" + ("; " + "; ".join(waits) if waits else "") +
+          (f"; {len(too_long)} runs would not finish within the {args.hours} h" if too_long else "") +
           " (other workers may hold runs; start this again when they finish)")

@@ -381,3 +381,21 @@ def test_workers_look_along_the_ladder_then_finish_it_rung_by_rung(study):
     assert len(taken) < 3 * len(order) + 3  # whole seeds first: seeds 0-2 of every rung, then seed 3 of the first 3
     assert {(run.rung, run.seed) for run in of(runs, "q1") if not run.tis and run.seed >= 4} == {
         (name, s) for name in order[1:3] for s in (4, 5, 6, 7)}  # and the bracket's seeds follow
+
+
+def test_a_run_s_hours_come_from_its_stage_s_finished_steps_with_a_margin_for_evaluations(study):
+    """--hours takes a run only if it would finish: the estimate is the run's steps at its stage's median step (4 s in
+    `history`) plus the evaluations' margin; another stage's steps where its own has none; none finished, 0."""
+    reg, done = calibrated(study)
+    runs, _ = study.plan(reg, R, done)
+    q1 = of(runs, "q1")
+    histories = {run.run_id: done(run) for run in runs}
+    assert all(h is None for run_id, h in histories.items() if run_id.startswith("q1-"))
+    from_calibration = study.run_hours(q1[0], histories)  # no Q1 run finished: the other stages' 4 s step
+    assert from_calibration == pytest.approx(150 * 4.0 * (1 + study.EVALUATION_SHARE) / 3600)
+    slow = history(150)
+    slow[study.STEP_TIMES] *= 2  # Q1's own runs take 8 s a step: they decide
+    done.finish(q1[:1], lambda run: slow)
+    histories = {run.run_id: done(run) for run in runs}
+    assert study.run_hours(q1[1], histories) == pytest.approx(2 * from_calibration)
+    assert study.run_hours(q1[1], dict.fromkeys(histories)) == 0.0
