@@ -202,7 +202,8 @@ grpo-sweep: setup
 
 # The collapse study's stages after its pilot (experiments/collapse_study.py), one single-core worker per core; each
 # worker plans again after every run (a finished stage unlocks the next) and stops when nothing is left to run now.
-# A part, or ahead of stage 0's choice: make collapse-study STUDY_ARGS="--stage calibration" (or "--assume-regime TAG")
+# A part, or ahead of stage 0's choice: make collapse-study STUDY_ARGS="--stage calibration" (or "--assume-regime TAG");
+# on a machine lent for a while: STUDY_ARGS="--hours 2.5" (no run is begun that would not finish by then)
 STUDY_ARGS ?=
 collapse-study: setup
 	mkdir -p results
