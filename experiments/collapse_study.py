@@ -314,6 +314,11 @@ def read_finished(run: Run) -> pd.DataFrame | None:
 STEP_TIMES = ["t_rollout", "t_score", "t_update", "t_sync"]
 
 
+def step_seconds(history: pd.DataFrame) -> pd.Series:
+    """Seconds of each training step of a run (its evaluations are not timed)."""
+    return history.loc[history["step"] >= 1, STEP_TIMES].sum(axis=1)
+
+
 def finished_histories(runs: list[Run]) -> dict[str, pd.DataFrame | None]:
     """Each planned run's history once finished (else None), read once for the tables that count them."""
     return {run.run_id: read_finished(run) for run in runs}
@@ -329,7 +334,7 @@ def run_hours(run: Run, histories: dict[str, pd.DataFrame | None]) -> float:
     stage = [h for run_id, h in timed.items() if run_id.startswith(f"{run.stage}-")] or list(timed.values())
     if not stage:
         return 0.0
-    per_step = float(np.median([h.loc[h["step"] >= 1, STEP_TIMES].sum(axis=1).median() for h in stage]))
+    per_step = float(np.median([step_seconds(h).median() for h in stage]))
     return run.steps * per_step * (1 + EVALUATION_SHARE) / 3600
 
 
@@ -352,10 +357,10 @@ def status(runs: list[Run], histories: dict[str, pd.DataFrame | None]) -> pd.Dat
     rows = []
     for run in runs:
         h = histories[run.run_id]
-        step_seconds = None if h is None else h.loc[h["step"] >= 1, STEP_TIMES].sum(axis=1)
+        seconds = None if h is None else step_seconds(h)
         rows.append(dict(stage=run.stage, finished=h is not None, steps_left=0 if h is not None else run.steps,
-                         core_hours=0.0 if h is None else step_seconds.sum() / 3600,
-                         step_s=np.nan if h is None else step_seconds.median()))
+                         core_hours=0.0 if h is None else seconds.sum() / 3600,
+                         step_s=np.nan if h is None else seconds.median()))
     if not rows:
         return pd.DataFrame(columns=["stage", "planned", "finished", "left", "core_hours_spent", "core_hours_left"])
     t = pd.DataFrame(rows).groupby("stage", sort=False).agg(
@@ -521,10 +526,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
         print(f"copied to {sweep.SHIPPED_RUNS.relative_to(ROOT)}: {', '.join(copied)}", flush=True)
     done, failed, started, too_long = 0, set(), time.monotonic(), []
     while True:  # one run at a time, planned again after each: a finished stage unlocks the next
-        unfinished = [run for run in runs if run.run_id not in failed and read_finished(run) is None]
+        histories = finished_histories(runs)
+        unfinished = [run for run in runs if run.run_id not in failed and histories[run.run_id] is None]
         if args.hours is not None:
             hours_left = args.hours - (time.monotonic() - started) / 3600
-            histories = finished_histories(runs)
             too_long = [run for run in unfinished if run_hours(run, histories) > hours_left]
             unfinished = [run for run in unfinished if run not in too_long]
         todo = [(grpo.GRPOConfig(**sweep.resolved(run.arm, settings_for(r, run))), OUT / run.run_id)
