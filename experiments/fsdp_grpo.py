@@ -315,8 +315,8 @@ def main(argv=None) -> None:
             table = pd.concat(tables, ignore_index=True)
             save_table(table, Path(args.table).stem, vars(args) | {"torch": torch.__version__}, Path(args.table).parent)
             print(table.to_string(index=False))
-        # Tear down together: a rank that destroys its gloo group and exits while rank 0 still computes the
-        # references was seen to abort at exit under load ("terminate called without an active exception").
+        # Tear down together, so that no rank leaves (closing its connections) while rank 0 still computes the
+        # references; how a rank leaves is at the end of this file.
         dist.barrier()
     finally:
         dist.destroy_process_group()
