@@ -188,7 +188,8 @@ def repeat_tests(clone: Path, env: dict, setup_s: float, commit: str, repeat: in
         record_run(f"{condition} #{k}", commit, setup_s if k == first else 0, test_s, out, rc)  # set-up once
     table = save_repeats(condition, runs, commit)
     flaky = table[table[f"{condition}: failed"] > 0]
-    print(f"{condition}: {repeat} runs; tests that failed at least once: {list(flaky.index) or 'none'}")
+    print(f"{condition}: {repeat} run(s) now; over the table's {int(table[f'{condition}: runs'].max())} runs of this "
+          f"condition, tests that failed at least once: {list(flaky.index) or 'none'}")
     return max(exit_codes)
 
 
